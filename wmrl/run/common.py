@@ -75,24 +75,33 @@ class RunContext:
         launch_dir: where the user launched the command; relative input paths resolve against it.
     """
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: DictConfig, out_dir: str | os.PathLike | None = None,
+                 launch_dir: str | os.PathLike | None = None):
         from hydra.core.hydra_config import HydraConfig
 
         self.cfg = cfg
         self.t0 = time.time()
-        try:
-            hc = HydraConfig.get()
-            self.out_dir = Path(hc.runtime.output_dir)
-            self.launch_dir = Path(hc.runtime.cwd)
-        except ValueError:  # not under Hydra (tests calling a main's body directly)
-            self.out_dir = Path(cfg.get("out_dir", ".")).resolve()
-            self.launch_dir = Path.cwd()
+        if out_dir is not None:  # explicit (tests, or a pipeline stage)
+            self.out_dir = Path(out_dir).resolve()
+            self.launch_dir = Path(launch_dir).resolve() if launch_dir else Path.cwd()
+        else:
+            try:
+                hc = HydraConfig.get()
+                self.out_dir = Path(hc.runtime.output_dir)
+                self.launch_dir = Path(hc.runtime.cwd)
+            except ValueError:  # not under Hydra
+                self.out_dir = Path.cwd() / "runs" / time.strftime("%Y-%m-%d/%H-%M-%S")
+                self.launch_dir = Path.cwd()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         set_threads(cfg.get("num_threads", None))
         if "seed" in cfg:
             seed_everything(int(cfg.seed))
         log.info("run directory: %s", self.out_dir)
+
+    def child(self, name: str, cfg: DictConfig) -> "RunContext":
+        """A sub-run (pipeline stage) in ``out_dir/name`` with its own config.yaml / report.json."""
+        return RunContext(cfg, out_dir=self.out_dir / name, launch_dir=self.launch_dir)
 
     def path(self, p: str | os.PathLike | None) -> Path | None:
         """Resolve a user-given path: absolute stays, relative is taken from the launch directory."""

@@ -1,0 +1,208 @@
+"""GRPO math, rollout collection and update on a fake ChunkEnv."""
+
+import math
+
+import pytest
+import torch
+
+from grpo_fakes import GaussianChunkPolicy, ToyReachEnv, toy_starts
+from wmrl import grpo
+from wmrl.interfaces import ChunkEnv, Policy
+
+
+def test_grouped_and_interleaved_give_same_advantages():
+    r = torch.tensor([[1.0, 1, 1, 1], [0, 0, 0, 1]])
+    adv2, valid2 = grpo.group_advantages(r)
+    flat = torch.tensor([1.0, 0, 1, 0, 1, 0, 1, 1])
+    ids = torch.tensor([0, 1, 0, 1, 0, 1, 0, 1])
+    adv1, valid1 = grpo.group_advantages(flat, ids)
+    assert torch.equal(adv1[ids == 0], adv2[0]) and torch.equal(adv1[ids == 1], adv2[1])
+    assert torch.equal(valid1[ids == 1], valid2[1])
+    # group 1: mean 0.25, population std sqrt(3)/4
+    s = math.sqrt(3) / 4
+    assert torch.allclose(adv2[1], torch.tensor([-0.25 / s] * 3 + [0.75 / s]))
+    assert adv2[0].eq(0).all() and not valid2[0].any() and valid2[1].all()
+
+
+def test_all_equal_group_is_exactly_zero_and_left_out():
+    for v in [0.35, 0.1, 1e6, -3.3]:
+        r = torch.full((2, 8), v, dtype=torch.float32)
+        r[1, 0] = v + 1
+        adv, valid = grpo.group_advantages(r)
+        assert torch.all(adv[0] == 0.0)  # exact zero
+        assert not valid[0].any() and valid[1].all()
+
+
+def test_near_constant_float32_group_stays_bounded():
+    r = torch.tensor([[0.35] * 7 + [0.95]], dtype=torch.float32)
+    adv, valid = grpo.group_advantages(r)
+    assert torch.isfinite(adv).all() and valid.all()
+    assert adv.abs().max() <= math.sqrt(7) + 1e-5
+    assert adv[0, -1] > 0 and (adv[0, :-1] < 0).all()
+    # a tiny float32 difference does not blow up: floor on the std
+    tiny = torch.tensor([[0.35] * 7 + [0.35 + 3e-8]], dtype=torch.float32)
+    tiny[0, -1] = torch.nextafter(torch.tensor(0.35), torch.tensor(1.0))
+    adv, valid = grpo.group_advantages(tiny, std_floor=1e-2)
+    assert adv.abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_groups_never_nan(seed):
+    g = torch.Generator().manual_seed(seed)
+    n, G = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(2, 9, (1,), generator=g))
+    kind = seed % 4
+    if kind == 0:
+        r = torch.randn(n, G, generator=g)
+    elif kind == 1:
+        r = torch.randint(0, 2, (n, G), generator=g).float()
+    elif kind == 2:
+        r = torch.full((n, G), float(torch.randn(1, generator=g))) + 1e-7 * torch.randint(0, 2, (n, G), generator=g)
+    else:
+        r = torch.randn(n, G, generator=g) * 1e4
+    r = r.float()
+    adv, valid = grpo.group_advantages(r)
+    assert torch.isfinite(adv).all()
+    assert adv.abs().max() <= math.sqrt(G - 1) + 1e-4
+    same = r.max(1).values == r.min(1).values
+    assert torch.all(adv[same] == 0) and not valid[same].any()
+    # interleaved order gives the same advantages
+    perm = torch.randperm(n * G, generator=g)
+    ids = torch.arange(n).repeat_interleave(G)
+    adv_f, _ = grpo.group_advantages(r.reshape(-1)[perm], ids[perm])
+    assert torch.allclose(adv_f, adv.reshape(-1)[perm])
+    # the loss stays finite for arbitrary log-probs
+    lp_new = torch.randn(n * G, generator=g) * 50
+    lp_old = torch.randn(n * G, generator=g) * 50
+    loss, st = grpo.clipped_surrogate_loss(lp_new, lp_old, adv.reshape(-1), valid.reshape(-1))
+    assert torch.isfinite(loss) and all(math.isfinite(v) for v in st.values())
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="group_ids"):
+        grpo.group_advantages(torch.ones(4))
+    with pytest.raises(ValueError, match="shape"):
+        grpo.group_advantages(torch.ones(4), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="NaN"):
+        grpo.group_advantages(torch.tensor([[1.0, float("nan")]]))
+    with pytest.raises(ValueError, match="integers"):
+        grpo.group_advantages(torch.ones(2), torch.zeros(2))
+    with pytest.raises(ValueError):
+        grpo.group_advantages(torch.ones(2, 2, 2))
+    with pytest.raises(ValueError, match="std_floor"):
+        grpo.group_advantages(torch.ones(2, 2), std_floor=0)
+
+
+def test_surrogate_masks_and_clips():
+    adv = torch.tensor([1.0, -1.0])
+    old = torch.zeros(2, 3)
+    new = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    loss, st = grpo.clipped_surrogate_loss(new, old, adv, mask)
+    # ratio 1: loss = -mean(adv over masked) = -(1 + 1 - 1) / 3
+    assert torch.isclose(loss, torch.tensor(-1 / 3))
+    assert st["approx_kl"] == 0 and st["clip_frac"] == 0
+    loss.backward()
+    assert new.grad[0, 2] == 0 and new.grad[1, 1] == 0 and new.grad[0, 0] < 0 and new.grad[1, 0] > 0
+    # beyond the clip range with a positive advantage there is no gradient
+    new2 = torch.full((1, 1), 0.5, requires_grad=True)
+    loss2, st2 = grpo.clipped_surrogate_loss(new2, torch.zeros(1, 1), torch.ones(1), clip_eps=0.2)
+    loss2.backward()
+    assert new2.grad.abs().sum() == 0 and st2["clip_frac"] == 1.0
+    assert torch.isclose(loss2, torch.tensor(-1.2))
+
+
+def test_kl_reference_is_zero_when_equal_and_positive_otherwise():
+    lp = torch.randn(5)
+    assert grpo.kl_to_reference(lp, lp).abs() < 1e-7
+    assert grpo.kl_to_reference(lp, lp + 0.3) > 0
+
+
+def test_fakes_follow_protocols():
+    assert isinstance(ToyReachEnv(2), ChunkEnv) and isinstance(GaussianChunkPolicy(), Policy)
+
+
+def test_rollout_alive_mask_and_rewards():
+    torch.manual_seed(0)
+    env = ToyReachEnv(num_envs=6, max_steps=8)
+    pol = GaussianChunkPolicy()
+    starts = toy_starts(2)
+    ros = grpo.collect_groups(env, pol, starts, group_size=4, max_chunks=5, generator=torch.Generator().manual_seed(0))
+    assert len(ros) == 3  # 16 slots in batches of 6, the last padded with 2 inactive slots
+    last = ros[-1]
+    assert (last.group_ids[-2:] == -1).all() and not last.alive[-2:].any()
+    for ro in ros:
+        # max_steps 8 with chunks of 4: every slot is done after at most 2 chunks
+        assert ro.alive.shape[1] <= 3 and not ro.alive[:, 2:].any()
+        # once dead, stays dead
+        assert torch.all(ro.alive[:, 1:] <= ro.alive[:, :-1])
+        assert torch.all(ro.rewards[~ro.alive] == 0)
+    r, s, g = grpo.rollout_returns(ros)
+    assert r.shape == (16,) and g.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    r2, _, _ = grpo.rollout_returns(ros, "return+success", success_bonus=2.0)
+    assert torch.allclose(r2, r + 2.0 * s.float())
+
+
+def test_recomputed_log_prob_matches_and_ratio_is_one():
+    env = ToyReachEnv(num_envs=8)
+    pol = GaussianChunkPolicy()
+    ros = grpo.collect_groups(env, pol, toy_starts(1), group_size=4, max_chunks=3)
+    r, s, g = grpo.rollout_returns(ros)
+    adv = torch.ones_like(r)
+    batch = grpo.build_transitions(ros, adv, torch.ones_like(r, dtype=torch.bool))
+    assert batch is not None and len(batch) == int(sum(ro.alive.sum() for ro in ros))
+    lp = pol.log_prob(batch.obs, batch.samples)
+    assert torch.allclose(lp, batch.samples.log_prob, atol=1e-5)
+
+
+def test_grpo_improves_toy_task():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    env = ToyReachEnv(num_envs=16, max_steps=16)
+    pol = GaussianChunkPolicy(init_std=0.5)
+    opt = torch.optim.Adam(pol.parameters(), lr=0.03)
+    cfg = grpo.GRPOConfig(group_size=8, max_chunks=4, epochs=2, minibatch_size=64, kl_coef=0.01,
+                          reward_mode="return+success")
+    ref = grpo.make_reference(pol)
+    starts = toy_starts(2, tasks=("reach_a", "reach_b", "reach_c"))
+    first = grpo.grpo_iteration(env, pol, opt, starts, cfg, ref_policy=ref, generator=gen).stats
+    for _ in range(14):
+        last = grpo.grpo_iteration(env, pol, opt, starts, cfg, ref_policy=ref, generator=gen).stats
+    for k in ("approx_kl", "clip_frac", "kl_ref", "grad_norm", "reward_mean", "adv_std", "valid_group_frac"):
+        assert math.isfinite(last[k]), k
+    assert last["reward_mean"] > first["reward_mean"] + 0.3
+    assert last["success_rate"] > first["success_rate"] + 0.2
+
+
+def test_online_debiaser_estimates_and_subtracts_bias():
+    d = grpo.OnlineDebiaser(momentum=0.0)
+    tasks = ["a"] * 4 + ["b"] * 4
+    imag = torch.tensor([1.0, 1.2, 0.8, 1.0, 0.0, 0.1, -0.1, 0.0])
+    real = torch.tensor([0.5, 0.5, 0.0, 0.0])
+    out = d.update(tasks, imag, real, real_tasks=["a", "a", "b", "b"])
+    assert out["bias/a"] == pytest.approx(0.5) and out["bias/b"] == pytest.approx(0.0)
+    corr = d.correct(tasks + ["c"], torch.cat([imag, torch.tensor([3.0])]))
+    assert corr[:4].mean() == pytest.approx(0.5) and corr[-1] == 3.0
+    d2 = grpo.OnlineDebiaser(); d2.load_state_dict(d.state_dict())
+    assert d2.bias == d.bias
+
+
+def test_inverse_variance_downweights_noisy_groups():
+    torch.manual_seed(0)
+    pol = GaussianChunkPolicy()
+    env = ToyReachEnv(num_envs=8, reward_noise=0.0)
+    starts = toy_starts(1)  # 2 groups of 4 in one batch
+    ros = grpo.collect_groups(env, pol, starts, 4, 3)
+    base, _, g = grpo.rollout_returns(ros)
+
+    class NoisyOnGroup1(ToyReachEnv):
+        def step(self, actions):
+            res = super().step(actions)
+            res.reward[4:] += torch.randn(4, generator=self.gen) * 2.0
+            return res
+
+    replays = [NoisyOnGroup1(num_envs=8, seed=s) for s in range(4)]
+    all_starts, _ = grpo.expand_starts(starts, 4)
+    mean, w, st = grpo.inverse_variance_rewards(ros, replays, lambda ro: all_starts, "return", 1.0, base)
+    assert w[:4].mean() > 5 * w[4:].mean()
+    assert torch.allclose(w.mean(), torch.tensor(1.0))
+    assert torch.allclose(mean[:4], base[:4], atol=1e-5)  # noise-free group keeps its reward

@@ -206,3 +206,55 @@ def test_inverse_variance_downweights_noisy_groups():
     assert w[:4].mean() > 5 * w[4:].mean()
     assert torch.allclose(w.mean(), torch.tensor(1.0))
     assert torch.allclose(mean[:4], base[:4], atol=1e-5)  # noise-free group keeps its reward
+
+
+def _train(tmp, iterations, resume=True):
+    torch.manual_seed(0)
+    pol = GaussianChunkPolicy()
+    env = ToyReachEnv(num_envs=8, max_steps=12)
+    opt = torch.optim.Adam(pol.parameters(), lr=0.02)
+    cfg = grpo.GRPOConfig(group_size=4, max_chunks=3, epochs=1, minibatch_size=16)
+    starts = toy_starts(2)
+    evals = []
+
+    def evaluate(p, n):
+        evals.append(n)
+        return {"success": float(n)}
+
+    out = grpo.train_grpo(pol, {"chunk_size": 4, "action_dim": 3}, env, opt, lambda it: starts, cfg, iterations, tmp,
+                          evaluate_fn=evaluate, eval_every=2, resume=resume, seed=3, progress=False)
+    return pol, out, evals
+
+
+def test_train_grpo_resumes_exactly(tmp_path):
+    pol_full, out_full, ev_full = _train(tmp_path / "a", 4)
+    assert ev_full == [0, 2, 4] and [h["iteration"] for h in out_full["history"]] == [1, 2, 3, 4]
+    assert (tmp_path / "a" / "checkpoints" / "step_4" / "model.safetensors").is_file()
+    _train(tmp_path / "b", 2)
+    pol_res, out_res, ev_res = _train(tmp_path / "b", 4)
+    assert out_res["resumed_from"] is not None and ev_res == [4]  # evals 0 and 2 come from the checkpoint
+    for a, b in zip(pol_full.parameters(), pol_res.parameters()):
+        assert torch.equal(a, b)
+    assert [h["reward_mean"] for h in out_full["history"]] == [h["reward_mean"] for h in out_res["history"]]
+    assert [e["iteration"] for e in out_res["evals"]] == [0, 2, 4]
+    # loading the checkpoint rebuilds the policy
+    from wmrl.checkpoint import load_checkpoint
+
+    p = load_checkpoint(tmp_path / "b" / "checkpoints" / "last")
+    assert torch.equal(p.net.weight, pol_res.net.weight)
+
+
+def test_debiasing_in_iteration_reports_bias():
+    torch.manual_seed(0)
+    pol = GaussianChunkPolicy()
+    imag = ToyReachEnv(num_envs=8, reward_bias=0.5)   # imagined rewards biased by +0.5 per chunk
+    real = ToyReachEnv(num_envs=8)
+    cfg = grpo.GRPOConfig(group_size=4, max_chunks=2, epochs=1)
+    d = grpo.OnlineDebiaser(momentum=0.0)
+    fn = grpo.real_rollout_fn_for(real, pol, cfg, rollouts_per_start=4)
+    opt = torch.optim.SGD(pol.parameters(), lr=0.0)
+    res = grpo.grpo_iteration(imag, pol, opt, toy_starts(1), cfg, debiaser=d, real_rollout_fn=fn, debias_starts=2,
+                              generator=torch.Generator().manual_seed(0))
+    # two chunks of +0.5 on alive slots: the bias is between 0.5 and 1.0 per rollout
+    assert 0.45 < d.bias["reach_a"] <= 1.05 and "bias/reach_a" in res.stats
+    assert res.stats["reward_debiased_mean"] < res.stats["reward_mean"] - 0.4

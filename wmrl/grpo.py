@@ -28,6 +28,7 @@ Shape legend: see :mod:`wmrl.types` (``B`` slots, ``G`` group size, ``N`` chunks
 from __future__ import annotations
 
 import copy
+import time
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -571,30 +572,52 @@ class IterationResult:
 
 def grpo_iteration(env: ChunkEnv, policy: Policy, optimizer: torch.optim.Optimizer, starts: Sequence[Start],
                    cfg: GRPOConfig, ref_policy: Policy | None = None, generator: torch.Generator | None = None,
-                   debiaser: OnlineDebiaser | None = None, replay_envs: Sequence[ChunkEnv] = (),
+                   debiaser: OnlineDebiaser | None = None,
+                   real_rollout_fn: Callable[[list[Start]], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                   debias_starts: int = 0, replay_envs: Sequence[ChunkEnv] = (),
                    progress: bool = False) -> IterationResult:
-    """Collect ``G`` rollouts per start on ``env``, compute group-relative advantages (after the
-    optional mitigations) and run :func:`grpo_update`. Returns diagnostics: ``reward_*``,
-    ``success_rate``, ``adv_*``, ``valid_group_frac``, ``n_transitions`` and the update stats."""
+    """One GRPO iteration: collect ``G`` rollouts per start on ``env``, apply the optional
+    world-model mitigations, compute group-relative advantages and run :func:`grpo_update`.
+
+    Args:
+        debiaser, real_rollout_fn, debias_starts: online debiasing. When all are given,
+            ``real_rollout_fn(starts[:debias_starts])`` runs the current policy in the real sim from
+            those starts and returns ``(rewards (M_r,), success (M_r,))`` in order of the starts
+            given (any number of rollouts per start, same reward definition); the imagined rollouts
+            of the same starts update the debiaser before it corrects this iteration's rewards.
+        replay_envs: inverse-variance denoising (see :func:`inverse_variance_rewards`).
+
+    Returns diagnostics: ``reward_*``, ``success_rate`` (as the env reports it), ``adv_*``,
+    ``valid_group_frac``, ``n_transitions``, the mitigation statistics and the update statistics.
+    """
     if hasattr(policy, "eval"):
         policy.eval()  # type: ignore[attr-defined]  # no dropout: ratio is exactly 1 at unchanged params
     rollouts = collect_groups(env, policy, starts, cfg.group_size, cfg.max_chunks, generator=generator, progress=progress)
     rewards, success, gids = rollout_returns(rollouts, cfg.reward_mode, cfg.success_bonus)
     stats: dict[str, float] = {"success_rate": float(success.float().mean()), **describe(rewards, "reward")}
+    tasks = [starts[int(g)].task_name for g in gids]
     weights = None
     if replay_envs:
         b = env.num_envs
         all_starts, _ = expand_starts(starts, cfg.group_size)
         batches = []
         for i in range(0, len(all_starts), b):
-            st = list(all_starts[i:i + b]); st += [st[-1]] * (b - len(st))
-            batches.append(st)
+            st = list(all_starts[i:i + b])
+            batches.append(st + [st[-1]] * (b - len(st)))
         lookup = {id(ro): batches[j] for j, ro in enumerate(rollouts)}
-        rewards, weights, st = inverse_variance_rewards(rollouts, replay_envs, lambda ro: lookup[id(ro)], cfg.reward_mode,
-                                                        cfg.success_bonus, rewards)
+        rewards, weights, st = inverse_variance_rewards(rollouts, replay_envs, lambda ro: lookup[id(ro)],
+                                                        cfg.reward_mode, cfg.success_bonus, rewards)
         stats.update(st)
     if debiaser is not None:
-        tasks = [starts[int(g)].task_name for g in gids]
+        if real_rollout_fn is not None and debias_starts > 0:
+            sub = list(starts[:debias_starts])
+            real_r, real_s = real_rollout_fn(sub)
+            m = gids < len(sub)
+            stats.update(debiaser.update([tasks[i] for i in m.nonzero().flatten().tolist()], rewards[m], real_r.float(),
+                                         imagined_success=success[m], real_success=real_s,
+                                         real_tasks=_tasks_for(sub, int(real_r.shape[0]))))
+            stats["debias_real_success"] = float(real_s.float().mean())
+            stats["debias_imagined_success"] = float(success[m].float().mean())
         rewards = debiaser.correct(tasks, rewards)
         stats.update(describe(rewards, "reward_debiased"))
     adv, valid = group_advantages(rewards, gids, std_floor=cfg.std_floor, scale_by_std=cfg.scale_by_std)
@@ -606,3 +629,156 @@ def grpo_iteration(env: ChunkEnv, policy: Policy, optimizer: torch.optim.Optimiz
     if batch is not None:
         stats.update(grpo_update(policy, optimizer, batch, cfg, ref_policy=ref_policy, generator=generator))
     return IterationResult(stats=stats, rollouts=rollouts)
+
+
+def _tasks_for(starts: Sequence[Start], m: int) -> list[str]:
+    """Task names of ``m`` real rollouts spread evenly over ``starts`` (``m`` a multiple of len)."""
+    if m % len(starts):
+        raise ValueError(f"real_rollout_fn returned {m} rewards for {len(starts)} starts (need a multiple)")
+    k = m // len(starts)
+    return [s.task_name for s in starts for _ in range(k)]
+
+
+def real_rollout_fn_for(env: ChunkEnv, policy: Policy, cfg: GRPOConfig, rollouts_per_start: int = 1,
+                        generator: torch.Generator | None = None) -> Callable[[list[Start]], tuple[torch.Tensor, torch.Tensor]]:
+    """A ``real_rollout_fn`` for :func:`grpo_iteration` that runs ``policy`` on ``env`` (the real sim)."""
+
+    def fn(starts: list[Start]) -> tuple[torch.Tensor, torch.Tensor]:
+        ros = collect_groups(env, policy, starts, rollouts_per_start, cfg.max_chunks, generator=generator)
+        r, s, _ = rollout_returns(ros, cfg.reward_mode, cfg.success_bonus)
+        return r, s
+
+    return fn
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer state <-> named tensors (safetensors; no pickle)
+# --------------------------------------------------------------------------------------------
+
+
+def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split ``opt.state_dict()`` into named tensors (``opt/<param>/<key>``) and a JSON-able rest."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"opt/{pid}/{k}"] = v
+            else:
+                scalars[f"{pid}/{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Inverse of :func:`optimizer_to_tensors`: load the state into ``opt``."""
+    state: dict[int, dict] = {}
+    for name, v in tensors.items():
+        if not name.startswith("opt/"):
+            continue
+        _, pid, k = name.split("/", 2)
+        state.setdefault(int(pid), {})[k] = v
+    for key, v in meta.get("scalars", {}).items():
+        pid, k = key.split("/", 1)
+        state.setdefault(int(pid), {})[k] = v
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+# --------------------------------------------------------------------------------------------
+# The training loop: iterations, periodic real evaluation, checkpoints, resume
+# --------------------------------------------------------------------------------------------
+
+
+def train_grpo(policy: Policy, policy_config: dict, env: ChunkEnv, optimizer: torch.optim.Optimizer,
+               starts_fn: Callable[[int], list[Start]], cfg: GRPOConfig, iterations: int, out_dir,
+               ref_policy: Policy | None = None,
+               evaluate_fn: Callable[[Policy, int], dict] | None = None, eval_every: int = 0,
+               checkpoint_every: int = 1, resume: bool = True, seed: int = 0,
+               debiaser: OnlineDebiaser | None = None,
+               real_rollout_fn: Callable[[list[Start]], tuple[torch.Tensor, torch.Tensor]] | None = None,
+               debias_starts: int = 0, debias_every: int = 1, replay_envs: Sequence[ChunkEnv] = (),
+               writer=None, progress: bool = True) -> dict:
+    """GRPO post-training: ``iterations`` times :func:`grpo_iteration` on ``starts_fn(iteration)``.
+
+    Checkpoints go to ``out_dir/checkpoints/step_<n>`` and ``.../last`` (policy weights, optimizer
+    state and RNG state in safetensors, history in ``meta.json``); with ``resume`` the loop continues
+    from ``last`` and reproduces the run that was not interrupted. ``evaluate_fn(policy, n)`` (real-sim
+    evaluation on held-out init states, returning at least ``{"success": float}``) runs before the
+    first iteration, every ``eval_every`` iterations and after the last one.
+
+    Returns ``{"history": [per-iteration stats], "evals": [{"iteration", ...}], "iterations",
+    "checkpoint", "resumed_from"}``.
+    """
+    from pathlib import Path
+
+    from wmrl.checkpoint import load_checkpoint_meta, load_extra_tensors, save_checkpoint
+
+    out_dir = Path(out_dir)
+    ck_dir = out_dir / "checkpoints"
+    gen = torch.Generator().manual_seed(seed)
+    history: list[dict] = []
+    evals: list[dict] = []
+    start_it = 0
+    resumed_from = None
+    last = ck_dir / "last"
+    if resume and (last / "model.safetensors").is_file():
+        from safetensors.torch import load_model
+
+        load_model(policy, str(last / "model.safetensors"))  # type: ignore[arg-type]
+        meta = load_checkpoint_meta(last)
+        extra = load_extra_tensors(last)
+        optimizer_from_tensors(optimizer, extra, meta["optimizer"])
+        gen.set_state(extra["rng/torch"])
+        history, evals = meta["history"], meta["evals"]
+        start_it = int(meta["iteration"])
+        if debiaser is not None and "debiaser" in meta:
+            debiaser.load_state_dict(meta["debiaser"])
+        resumed_from = str(last)
+
+    def _eval(n: int) -> None:
+        if evaluate_fn is None or any(e["iteration"] == n for e in evals):
+            return
+        e = dict(evaluate_fn(policy, n))
+        e["iteration"] = n
+        evals.append(e)
+        if writer is not None and "success" in e:
+            writer.add_scalar("eval/real_success", e["success"], n)
+
+    def _save(n: int) -> None:
+        tensors, ometa = optimizer_to_tensors(optimizer)
+        tensors["rng/torch"] = gen.get_state()
+        meta = {"iteration": n, "history": history, "evals": evals, "optimizer": ometa}
+        if debiaser is not None:
+            meta["debiaser"] = debiaser.state_dict()
+        save_checkpoint(policy, last, policy_config, extra_tensors=tensors, meta=meta)  # type: ignore[arg-type]
+        if checkpoint_every and n % checkpoint_every == 0:
+            save_checkpoint(policy, ck_dir / f"step_{n}", policy_config)  # type: ignore[arg-type]
+
+    _eval(start_it)
+    its = range(start_it, iterations)
+    if progress:
+        from tqdm import tqdm
+
+        its = tqdm(its, desc="GRPO", initial=start_it, total=iterations)
+    for it in its:
+        t0 = time.time()
+        do_debias = debiaser is not None and real_rollout_fn is not None and debias_every > 0 and it % debias_every == 0
+        res = grpo_iteration(env, policy, optimizer, starts_fn(it), cfg, ref_policy=ref_policy, generator=gen,
+                             debiaser=debiaser, real_rollout_fn=real_rollout_fn if do_debias else None,
+                             debias_starts=debias_starts, replay_envs=replay_envs)
+        st = {"iteration": it + 1, "wall_s": time.time() - t0, **res.stats}
+        history.append(st)
+        if writer is not None:
+            for k, v in st.items():
+                if k != "iteration":
+                    writer.add_scalar(f"grpo/{k}", v, it + 1)
+        if progress:
+            its.set_postfix(reward=f"{st['reward_mean']:.3f}", succ=f"{st['success_rate']:.2f}")  # type: ignore[union-attr]
+        if eval_every and (it + 1) % eval_every == 0:
+            _eval(it + 1)
+        if it + 1 == iterations:
+            _eval(it + 1)
+        _save(it + 1)
+    if start_it >= iterations and not (last / "model.safetensors").is_file():
+        _save(start_it)
+    return {"history": history, "evals": evals, "iterations": iterations, "checkpoint": str(last),
+            "resumed_from": resumed_from}

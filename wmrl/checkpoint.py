@@ -1,0 +1,200 @@
+"""Checkpoints as folders, without pickle.
+
+A checkpoint folder holds
+
+* ``config.yaml``: ``_target_`` (import path of the object's class) plus its constructor
+  arguments, so :func:`load_checkpoint` rebuilds it with ``hydra.utils.instantiate``;
+* ``model.safetensors``: the ``state_dict`` (parameters and buffers, e.g. normalisation
+  statistics held by a :class:`wmrl.storage.Normalizer`);
+* optionally ``extra.safetensors`` (any named tensors, e.g. optimizer state, see
+  :func:`optimizer_state_to_tensors`) and ``meta.json`` (JSON, e.g. the training step).
+
+Writes are atomic at the folder level: everything goes into a temporary sibling folder which then
+replaces ``folder``, so a crash never leaves a half-written ``last`` checkpoint.
+
+Errors: :class:`CheckpointError` (a ``ValueError``) for a missing or corrupt folder, a config
+without ``_target_``, an object that cannot be rebuilt, or weights that do not fit it (strict).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+CONFIG_FILE = "config.yaml"
+WEIGHTS_FILE = "model.safetensors"
+EXTRA_FILE = "extra.safetensors"
+META_FILE = "meta.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is missing, corrupt, or does not fit the object it describes."""
+
+
+def _config_dict(obj: Any, config: Any) -> dict:
+    if config is None:
+        raise CheckpointError(f"save_checkpoint needs the constructor arguments of {type(obj).__name__} "
+                              "as `config` (a dict, DictConfig or dataclass)")
+    if isinstance(config, DictConfig):
+        config = OmegaConf.to_container(config, resolve=True)
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    if not isinstance(config, Mapping):
+        raise CheckpointError(f"config must be a mapping of constructor arguments, got {type(config).__name__}")
+    config = dict(config)
+    cls = type(obj)
+    config.setdefault("_target_", f"{cls.__module__}.{cls.__qualname__}")
+    return config
+
+
+def save_checkpoint(obj: nn.Module, folder: str | os.PathLike, config: Any,
+                    extra_tensors: Mapping[str, torch.Tensor] | None = None,
+                    meta: Mapping[str, Any] | None = None) -> Path:
+    """Write ``obj`` to the checkpoint folder ``folder`` (replacing it atomically if it exists).
+
+    Args:
+        obj: the ``nn.Module`` to save.
+        folder: destination folder.
+        config: constructor arguments of ``obj`` (dict / DictConfig / dataclass); ``_target_`` is
+            added as ``obj``'s class path unless given. Values must be YAML-able (numbers, strings,
+            lists, dicts, nested ``_target_`` configs).
+        extra_tensors: optional named tensors saved to ``extra.safetensors``.
+        meta: optional JSON-serialisable dict saved to ``meta.json``.
+
+    Returns the folder path. Raises :class:`CheckpointError` for a config that cannot be written.
+    """
+    from safetensors.torch import save_file, save_model
+
+    if not isinstance(obj, nn.Module):
+        raise CheckpointError(f"save_checkpoint saves nn.Module objects, got {type(obj).__name__}")
+    cfg = _config_dict(obj, config)
+    try:
+        yaml_text = OmegaConf.to_yaml(OmegaConf.create(cfg))
+    except Exception as e:  # noqa: BLE001 - omegaconf raises several types for unsupported values
+        raise CheckpointError(f"config of {type(obj).__name__} is not YAML-serialisable: {e}") from None
+    meta_text = None
+    if meta is not None:
+        try:
+            meta_text = json.dumps(dict(meta), indent=2)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint meta is not JSON-serialisable: {e}") from None
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        (tmp / CONFIG_FILE).write_text(yaml_text)
+        save_model(obj, str(tmp / WEIGHTS_FILE))
+        if extra_tensors:
+            save_file({k: v.detach().contiguous().cpu() for k, v in extra_tensors.items()}, str(tmp / EXTRA_FILE))
+        if meta_text is not None:
+            (tmp / META_FILE).write_text(meta_text)
+        old = None
+        if folder.exists():
+            old = folder.parent / f".{folder.name}.old-{os.getpid()}"
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _check_folder(folder: str | os.PathLike) -> Path:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"no checkpoint folder at {folder}")
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (folder / name).is_file():
+            raise CheckpointError(f"{folder} is not a checkpoint: {name} is missing")
+    return folder
+
+
+def read_checkpoint_config(folder: str | os.PathLike) -> dict:
+    """The ``config.yaml`` of a checkpoint as a plain dict (with ``_target_``)."""
+    folder = _check_folder(folder)
+    try:
+        cfg = OmegaConf.load(folder / CONFIG_FILE)
+    except Exception as e:  # noqa: BLE001 - yaml / omegaconf errors
+        raise CheckpointError(f"{folder / CONFIG_FILE} is not valid YAML: {e}") from None
+    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("_target_"), str):
+        raise CheckpointError(f"{folder / CONFIG_FILE} has no `_target_` (the class to rebuild)")
+    return cfg
+
+
+def load_checkpoint(folder: str | os.PathLike, map_location: str | torch.device = "cpu",
+                    strict: bool = True) -> nn.Module:
+    """Rebuild the object saved by :func:`save_checkpoint` and load its weights.
+
+    Args:
+        folder: checkpoint folder.
+        map_location: device for the module and its tensors.
+        strict: every key of the state dict must match (default).
+
+    Returns the module (in train mode, as constructed). Raises :class:`CheckpointError`.
+    """
+    import hydra.utils
+    from safetensors import SafetensorError
+    from safetensors.torch import load_model
+
+    folder = _check_folder(folder)
+    cfg = read_checkpoint_config(folder)
+    kwargs = {} if "_convert_" in cfg else {"_convert_": "all"}
+    try:
+        obj = hydra.utils.instantiate(cfg, **kwargs)
+    except Exception as e:  # noqa: BLE001 - hydra wraps constructor errors in several types
+        raise CheckpointError(f"cannot rebuild {cfg['_target_']} from {folder / CONFIG_FILE}: {e}") from e
+    if not isinstance(obj, nn.Module):
+        raise CheckpointError(f"{cfg['_target_']} built a {type(obj).__name__}, not an nn.Module")
+    obj.to(map_location)
+    try:
+        missing, unexpected = load_model(obj, str(folder / WEIGHTS_FILE), strict=strict, device=str(map_location))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{folder / WEIGHTS_FILE} is corrupt or unreadable: {e}") from None
+    except RuntimeError as e:
+        raise CheckpointError(f"weights in {folder / WEIGHTS_FILE} do not fit {cfg['_target_']}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - header parse errors surface as various types
+        raise CheckpointError(f"{folder / WEIGHTS_FILE} is corrupt or unreadable: {e}") from None
+    return obj
+
+
+def load_extra_tensors(folder: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The ``extra_tensors`` saved with a checkpoint (empty dict if none)."""
+    from safetensors.torch import load_file
+
+    folder = _check_folder(folder)
+    p = folder / EXTRA_FILE
+    if not p.is_file():
+        return {}
+    try:
+        return load_file(str(p), device=str(map_location))
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{p} is corrupt or unreadable: {e}") from None
+
+
+def load_checkpoint_meta(folder: str | os.PathLike) -> dict:
+    """The ``meta`` dict saved with a checkpoint (empty dict if none)."""
+    folder = _check_folder(folder)
+    p = folder / META_FILE
+    if not p.is_file():
+        return {}
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{p} is corrupt: {e}") from None

@@ -1,0 +1,42 @@
+"""Exception classes of :mod:`wmrl.storage`. All subclass ``ValueError`` so that callers that only
+know "bad input" can catch them generically; each message says what is wrong, where (episode, key,
+step) and what to change."""
+
+from __future__ import annotations
+
+
+class StoreError(ValueError):
+    """Base class of every EpisodeStore error (missing store, existing store, bad mode, ...)."""
+
+
+class StoreFormatError(StoreError):
+    """The folder is not an EpisodeStore, is corrupt, or has an unknown ``format_version``."""
+
+
+class EpisodeValidationError(StoreError):
+    """An episode given to :meth:`EpisodeStore.append` does not match the store.
+
+    Attributes:
+        episode: index the episode would have had in the store (``None`` when unknown).
+        key: offending field, e.g. ``"actions"`` or ``"images/agentview"``.
+        step: first offending time step, or ``None`` when the whole field is wrong.
+    """
+
+    def __init__(self, message: str, *, episode: int | None = None, key: str | None = None,
+                 step: int | None = None):
+        where = []
+        if episode is not None:
+            where.append(f"episode {episode}")
+        if key is not None:
+            where.append(f"key {key!r}")
+        if step is not None:
+            where.append(f"step {step}")
+        prefix = f"[{', '.join(where)}] " if where else ""
+        super().__init__(prefix + message)
+        self.episode = episode
+        self.key = key
+        self.step = step
+
+
+class MissingStatsError(ValueError):
+    """Normalisation statistics are required but absent (never silently replaced by identity)."""

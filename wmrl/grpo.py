@@ -782,3 +782,72 @@ def train_grpo(policy: Policy, policy_config: dict, env: ChunkEnv, optimizer: to
         _save(start_it)
     return {"history": history, "evals": evals, "iterations": iterations, "checkpoint": str(last),
             "resumed_from": resumed_from}
+
+
+# --------------------------------------------------------------------------------------------
+# Start providers and a plain success evaluator (composition roots pass them in)
+# --------------------------------------------------------------------------------------------
+
+
+class InitStateStarts:
+    """Starts at a task's init states, ``per_task`` per iteration, drawn reproducibly from
+    ``iteration`` and ``seed``.
+
+    Args:
+        tasks: task name -> instruction.
+        n_init: number of init states of ``split`` per task (indices ``0..n_init-1``).
+        per_task: starts per task per iteration.
+        split: ``"train"`` (for training) or ``"eval"``.
+    """
+
+    def __init__(self, tasks: dict, n_init: int, per_task: int, split: str = "train", seed: int = 0):
+        if not tasks:
+            raise ValueError("InitStateStarts needs at least one task")
+        if per_task < 1 or n_init < 1:
+            raise ValueError(f"per_task and n_init must be >= 1, got {per_task}, {n_init}")
+        self.tasks, self.n_init, self.per_task, self.split, self.seed = dict(tasks), int(n_init), int(per_task), split, int(seed)
+
+    def __call__(self, iteration: int) -> list[Start]:
+        rng = np.random.default_rng([self.seed, int(iteration)])
+        out = []
+        for name, instr in self.tasks.items():
+            idx = rng.choice(self.n_init, size=self.per_task, replace=self.per_task > self.n_init)
+            out += [Start(task_name=name, instruction=instr, init_index=int(i), split=self.split) for i in idx]  # type: ignore[arg-type]
+        return out
+
+
+def all_starts(tasks: dict, n: int, split: str = "eval") -> list[Start]:
+    """Every init state ``0..n-1`` of ``split`` for each task (held-out evaluation starts)."""
+    return [Start(task_name=t, instruction=i, init_index=k, split=split) for t, i in tasks.items() for k in range(n)]  # type: ignore[arg-type]
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval (95 % by default) of a binomial proportion; ``(0, 1)`` when ``n == 0``."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    den = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / den
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+@torch.no_grad()
+def evaluate_success(env: ChunkEnv, policy: Policy, starts: Sequence[Start], max_chunks: int, seed: int = 0,
+                     progress: bool = False) -> dict:
+    """Success of ``policy`` on ``env`` from every start once (batches of ``env.num_envs``; results do
+    not depend on the batch size for a deterministic policy and env).
+
+    Returns ``{"success": mean, "n": M, "ci95": [lo, hi], "per_task": {task: {"success", "n",
+    "ci95"}}, "episodes": [{"task", "init_index", "success"}]}``."""
+    gen = torch.Generator().manual_seed(seed)
+    ros = collect_groups(env, policy, starts, 1, max_chunks, generator=gen, progress=progress)
+    _, succ, gids = rollout_returns(ros, "success")
+    rows = [{"task": starts[int(g)].task_name, "init_index": starts[int(g)].init_index, "success": bool(s)}
+            for g, s in zip(gids, succ)]
+    per_task = {}
+    for t in dict.fromkeys(r["task"] for r in rows):
+        k = [r["success"] for r in rows if r["task"] == t]
+        per_task[t] = {"success": float(np.mean(k)), "n": len(k), "ci95": list(wilson_interval(int(sum(k)), len(k)))}
+    return {"success": float(succ.float().mean()), "n": int(succ.numel()),
+            "ci95": list(wilson_interval(int(succ.sum()), int(succ.numel()))), "per_task": per_task, "episodes": rows}

@@ -1,0 +1,113 @@
+"""Action queue keyed by control step, with latency-aware merging of overlapping chunks.
+
+A chunk computed from the observation of step ``s`` holds actions for steps ``s .. s+H-1``. By the
+time it arrives the robot is already at step ``k > s``: the actions for steps ``< k`` would be
+stale. :class:`ActionQueue` with ``merge="latency_aware"`` drops them and lets the new chunk
+overwrite the queued actions from step ``k`` on (the newest observation wins for the future); this
+is the execution rule of Black et al. 2025, "Real-Time Execution of Action Chunking Flow
+Policies" (RTC). ``merge="naive"`` is the baseline that switches to the new chunk from its first
+action as if no time had passed (what synchronous chunk execution does when made asynchronous);
+it exists for the benchmark.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+
+@dataclass
+class MergeResult:
+    """What :meth:`ActionQueue.insert` did. ``skipped``: stale actions dropped (steps already
+    executed); ``inserted``: actions now queued from the chunk; ``replaced``: queued actions it
+    overwrote."""
+
+    skipped: int
+    inserted: int
+    replaced: int
+
+
+class ActionQueue:
+    """Thread-safe map ``control step -> action float32 (D_a,)``.
+
+    Args:
+        action_dim: ``D_a``; chunks of another width raise ``ValueError``.
+        merge: ``"latency_aware"`` or ``"naive"`` (see module docstring).
+    """
+
+    def __init__(self, action_dim: int, merge: Literal["latency_aware", "naive"] = "latency_aware"):
+        if merge not in ("latency_aware", "naive"):
+            raise ValueError(f"merge must be 'latency_aware' or 'naive', got {merge!r}")
+        self.action_dim = int(action_dim)
+        self.merge = merge
+        self._q: dict[int, np.ndarray] = {}
+        self._src: dict[int, int] = {}  # step -> id of the chunk it came from
+        self._lock = threading.Lock()
+        self._next_chunk_id = 0
+
+    def insert(self, chunk: np.ndarray, start_step: int, next_step: int) -> MergeResult:
+        """Merge ``chunk`` ``float32 (H, D_a)`` computed for ``start_step`` while the robot's next
+        step to execute is ``next_step``.
+
+        Raises:
+            ValueError: wrong shape.
+        """
+        chunk = np.asarray(chunk, dtype=np.float32)
+        if chunk.ndim != 2 or chunk.shape[1] != self.action_dim:
+            raise ValueError(f"chunk must be (H, D_a={self.action_dim}), got {chunk.shape}")
+        with self._lock:
+            cid = self._next_chunk_id
+            self._next_chunk_id += 1
+            for s in [s for s in self._q if s < next_step]:
+                del self._q[s], self._src[s]
+            if self.merge == "naive":
+                replaced = len(self._q)
+                self._q.clear()
+                self._src.clear()
+                for i in range(chunk.shape[0]):
+                    self._q[next_step + i] = chunk[i]
+                    self._src[next_step + i] = cid
+                return MergeResult(skipped=0, inserted=chunk.shape[0], replaced=replaced)
+            skipped = max(0, min(chunk.shape[0], next_step - start_step))
+            replaced = 0
+            for i in range(skipped, chunk.shape[0]):
+                s = start_step + i
+                replaced += s in self._q
+                self._q[s] = chunk[i]
+                self._src[s] = cid
+            return MergeResult(skipped=skipped, inserted=chunk.shape[0] - skipped, replaced=replaced)
+
+    def pop(self, step: int) -> tuple[np.ndarray | None, int]:
+        """Remove and return ``(action for step, chunk id)``, or ``(None, -1)`` if none is queued
+        (the robot must hold). Entries for earlier steps are discarded."""
+        with self._lock:
+            for s in [s for s in self._q if s < step]:
+                del self._q[s], self._src[s]
+            a = self._q.pop(step, None)
+            cid = self._src.pop(step, -1)
+            return a, cid
+
+    def size(self, step: int) -> int:
+        """Number of contiguous queued actions from ``step`` on."""
+        with self._lock:
+            n = 0
+            while step + n in self._q:
+                n += 1
+            return n
+
+    def committed(self, step: int, n: int | None = None) -> np.ndarray:
+        """The queued actions for steps ``step, step+1, ...`` (contiguous, at most ``n``):
+        ``float32 (P, D_a)``, ``P`` possibly 0. Sent as the real-time-chunking prefix."""
+        with self._lock:
+            out = []
+            while step + len(out) in self._q and (n is None or len(out) < n):
+                out.append(self._q[step + len(out)])
+            return np.stack(out) if out else np.zeros((0, self.action_dim), np.float32)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._q.clear()
+            self._src.clear()

@@ -1,0 +1,390 @@
+"""A small multi-task vision-language-action policy with a flow-matching action head.
+
+Architecture (sizes for the default config, ``configs/policy/flow_vla.yaml``)::
+
+    agentview  uint8 (B,3,64,64) ─► conv encoder (FiLM by instruction) ─► 128 ┐
+    eye_in_hand uint8 (B,3,64,64) ─► conv encoder (FiLM by instruction) ─► 128 ├─► MLP ─► cond (B, 256)
+    proprio (B, 9) ─► normalise ─► MLP ─────────────────────────────────► 64  │
+    instruction ─► frozen all-MiniLM-L6-v2 (384) ─► Linear ─────────────► 128 ┘
+    x_t (B, H, D_a) + t ─► residual MLP, FiLM by cond and t ─► velocity v (B, H, D_a)
+
+* Vision: one conv stack per camera trained from scratch, with feature-wise linear modulation by the
+  instruction after every block (FiLM: Perez et al. AAAI 2018; as in RT-1's FiLM-EfficientNet), so
+  "lift the red cube" and "lift the green cube" look at different objects. ``encoder.kind:
+  torchvision`` swaps in a torchvision backbone (e.g. ``resnet18``) loading weights from a local
+  file (``encoder.weights``); nothing is downloaded.
+* Language: ``policies.text.encode_instructions`` (frozen, cached per string).
+* Action head: flow matching (Lipman et al. 2023; pi0, Black et al. 2024) on the action chunk in
+  normalised action space, convention ``x_t = (1-t) x_0 + t eps``, target ``v = eps - x_0``.
+* Training (``loss``): each encoded observation is paired with ``train_noise_samples`` independent
+  (t, eps) draws ("level-2 minibatching" of Mini-Diffuser, Hu et al. 2025), so the costly image
+  encoder runs once per ``M`` flow-matching targets. Random-shift augmentation (DrQ, Kostrikov et al.
+  2021) on the images.
+* Sampling is delegated to a sampler (``policies.samplers``): the Euler ODE sampler for evaluation,
+  the SDE sampler (exact chain log-probs) for GRPO. Swap with ``policy.sampler = SDESampler(...)``.
+* Output: the sampler's final normalised chunk is unnormalised with the stored statistics
+  (``quantile`` or ``mean_std``, buffers saved in the checkpoint) and clipped to the declared action
+  space (``wmrl.types.ActionSpace``; see ``policies.action_space``). Log-probs are of the pre-clip
+  normalised chain.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from policies.action_space import as_action_space, clip_to_space
+from policies.samplers import EulerODESampler, SDESampler
+from policies.text import EMBED_DIM, encode_instructions
+from wmrl.storage import Normalizer, masked_mse
+from wmrl.types import AGENTVIEW, EYE_IN_HAND, Obs, PolicySample
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+class FiLM(nn.Module):
+    """``x * (1 + gamma(c)) + beta(c)``, gamma/beta initialised to zero (identity at start)."""
+
+    def __init__(self, cond_dim: int, channels: int):
+        super().__init__()
+        self.proj = nn.Linear(cond_dim, 2 * channels)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        g, b = self.proj(c).chunk(2, dim=-1)
+        shape = (x.shape[0], -1) + (1,) * (x.ndim - 2)
+        return x * (1 + g.reshape(shape)) + b.reshape(shape)
+
+
+def _groups(c: int) -> int:
+    for g in (8, 4, 2, 1):
+        if c % g == 0:
+            return g
+    return 1
+
+
+class ConvEncoder(nn.Module):
+    """Conv stack (stride 2 per block) with GroupNorm, FiLM by the instruction, SiLU; flatten + Linear.
+
+    Input ``float32 (B, 3, Hi, Wi)`` in [-1, 1]; output ``(B, out_dim)``.
+    """
+
+    def __init__(self, image_size: Sequence[int], channels: Sequence[int], out_dim: int, film_dim: int):
+        super().__init__()
+        self.convs, self.norms, self.films = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
+        cin = 3
+        for c in channels:
+            self.convs.append(nn.Conv2d(cin, c, 3, stride=2, padding=1))
+            self.norms.append(nn.GroupNorm(_groups(c), c))
+            self.films.append(FiLM(film_dim, c))
+            cin = c
+        h, w = int(image_size[0]), int(image_size[1])
+        for _ in channels:
+            h, w = (h + 1) // 2, (w + 1) // 2
+        self.out = nn.Sequential(nn.Flatten(), nn.Linear(cin * h * w, out_dim), nn.LayerNorm(out_dim))
+
+    def forward(self, x: torch.Tensor, lang: torch.Tensor) -> torch.Tensor:
+        for conv, norm, film in zip(self.convs, self.norms, self.films):
+            x = F.silu(film(norm(conv(x)), lang))
+        return self.out(x)
+
+
+class TorchvisionEncoder(nn.Module):
+    """A torchvision classification backbone (``fc`` removed) + FiLM on its pooled features.
+
+    ``weights``: path to a local ``.safetensors`` state dict of the backbone (e.g. ImageNet
+    ``resnet18``), or ``None`` for random init. Nothing is downloaded.
+    """
+
+    def __init__(self, name: str, out_dim: int, film_dim: int, weights: str | None = None):
+        super().__init__()
+        import torchvision
+
+        if not hasattr(torchvision.models, name):
+            raise ValueError(f"unknown torchvision backbone {name!r} (e.g. resnet18)")
+        net = getattr(torchvision.models, name)(weights=None)
+        if weights:
+            from safetensors.torch import load_file
+
+            missing, unexpected = net.load_state_dict(load_file(str(weights)), strict=False)
+            if [k for k in missing if not k.startswith("fc.")]:
+                raise ValueError(f"backbone weights {weights} miss keys {missing[:5]}...")
+        feat = net.fc.in_features
+        net.fc = nn.Identity()
+        self.net = net
+        self.film = FiLM(film_dim, feat)
+        self.out = nn.Sequential(nn.Linear(feat, out_dim), nn.LayerNorm(out_dim))
+
+    def forward(self, x: torch.Tensor, lang: torch.Tensor) -> torch.Tensor:
+        return self.out(F.silu(self.film(self.net(x), lang)))
+
+
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal embedding of ``t`` ``(B,)`` in [0, 1] -> ``(B, dim)`` (scaled by 1000 like DDPM)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    ang = (t.float() * 1000.0)[:, None] * freqs[None]
+    return torch.cat([torch.sin(ang), torch.cos(ang)], dim=-1)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, width: int, cond_dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.film = FiLM(cond_dim, width)
+        self.fc1 = nn.Linear(width, width * 2)
+        self.fc2 = nn.Linear(width * 2, width)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        h = self.film(self.norm(x), c)
+        return x + self.fc2(F.silu(self.fc1(h)))
+
+
+class VelocityHead(nn.Module):
+    """Residual MLP over the flattened chunk: ``(x_t (B,H,D_a), t (B,), cond (B,C)) -> v (B,H,D_a)``."""
+
+    def __init__(self, chunk_size: int, action_dim: int, cond_dim: int, width: int, depth: int, time_dim: int):
+        super().__init__()
+        self.h, self.d, self.time_dim = chunk_size, action_dim, time_dim
+        self.inp = nn.Linear(chunk_size * action_dim, width)
+        self.time_mlp = nn.Sequential(nn.Linear(time_dim, cond_dim), nn.SiLU(), nn.Linear(cond_dim, cond_dim))
+        self.blocks = nn.ModuleList([ResBlock(width, cond_dim) for _ in range(depth)])
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, chunk_size * action_dim)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        c = F.silu(cond + self.time_mlp(timestep_embedding(t, self.time_dim)))
+        h = self.inp(x.flatten(1))
+        for blk in self.blocks:
+            h = blk(h, c)
+        return self.out(self.norm(h)).view(x.shape[0], self.h, self.d)
+
+
+def random_shift(x: torch.Tensor, pad: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """DrQ random shift: replicate-pad by ``pad`` px and crop back at a random integer offset per image."""
+    if pad <= 0:
+        return x
+    b, c, h, w = x.shape
+    xp = F.pad(x, (pad, pad, pad, pad), mode="replicate")
+    ox = torch.randint(0, 2 * pad + 1, (b,), generator=generator, device=x.device)
+    oy = torch.randint(0, 2 * pad + 1, (b,), generator=generator, device=x.device)
+    rows = (oy[:, None] + torch.arange(h, device=x.device)[None])  # (B, h)
+    cols = (ox[:, None] + torch.arange(w, device=x.device)[None])  # (B, w)
+    idx_r = rows[:, None, :, None].expand(b, c, h, w + 2 * pad)
+    xp = torch.gather(xp, 2, idx_r)
+    idx_c = cols[:, None, None, :].expand(b, c, h, w)
+    return torch.gather(xp, 3, idx_c)
+
+
+# ----------------------------------------------------------------------------- the policy
+
+class FlowVLAPolicy(nn.Module):
+    """Multi-task flow-matching VLA policy implementing ``wmrl.interfaces.Policy``.
+
+    Args:
+        cameras: camera names read from ``Obs.images`` (each ``uint8 (B, 3, Hi, Wi)``).
+        image_size: ``[Hi, Wi]`` the encoders expect (observations of another size raise).
+        state_dim: ``D_s``. action_dim: ``D_a``. chunk_size: ``H``.
+        encoder: ``{"kind": "conv", "channels": [...], "out_dim": int}`` or
+            ``{"kind": "torchvision", "name": "resnet18", "weights": PATH|None, "out_dim": int}``.
+        lang_dim: width of the projected instruction embedding (also the FiLM conditioning input).
+        proprio_dim: width of the proprio embedding.
+        cond_dim: width of the observation conditioning vector.
+        head_width, head_depth, time_dim: velocity head sizes.
+        norm_mode: ``"quantile"`` or ``"mean_std"`` for proprio and actions.
+        action_space: the ``ActionSpace`` (or its dict / embodiment name) the actions are in.
+        sampler: sampler used by ``sample`` (default ``EulerODESampler(10)``); ``log_prob`` needs an
+            ``SDESampler``.
+        train_noise_samples: ``M`` (t, eps) draws per encoded observation in ``loss``.
+        aug_shift: random-shift augmentation in pixels during ``loss`` (0 = off).
+
+    Raises:
+        ValueError: on unknown encoder kinds or inconsistent sizes.
+    """
+
+    def __init__(self, cameras: Sequence[str] = (AGENTVIEW, EYE_IN_HAND), image_size: Sequence[int] = (64, 64),
+                 state_dim: int = 9, action_dim: int = 7, chunk_size: int = 8,
+                 encoder: dict | None = None, lang_dim: int = 128, proprio_dim: int = 64, cond_dim: int = 256,
+                 head_width: int = 256, head_depth: int = 3, time_dim: int = 64,
+                 norm_mode: str = "quantile", action_space: Any = None, sampler: Any = None,
+                 train_noise_samples: int = 8, aug_shift: int = 4):
+        super().__init__()
+        encoder = dict(encoder or {"kind": "conv", "channels": [32, 64, 128, 128], "out_dim": 128})
+        self.cameras = list(cameras)
+        if not self.cameras:
+            raise ValueError("FlowVLAPolicy needs at least one camera")
+        self.image_size = [int(image_size[0]), int(image_size[1])]
+        self.state_dim, self.action_dim, self.chunk_size = int(state_dim), int(action_dim), int(chunk_size)
+        self.action_space = as_action_space(action_space)
+        if self.action_space.dim != self.action_dim:
+            raise ValueError(f"action_space.dim={self.action_space.dim} but action_dim={self.action_dim}")
+        self.train_noise_samples = int(train_noise_samples)
+        self.aug_shift = int(aug_shift)
+        self.sampler = sampler if sampler is not None else EulerODESampler(10)
+        self.init_config = dict(
+            cameras=self.cameras, image_size=self.image_size, state_dim=self.state_dim,
+            action_dim=self.action_dim, chunk_size=self.chunk_size, encoder=encoder, lang_dim=lang_dim,
+            proprio_dim=proprio_dim, cond_dim=cond_dim, head_width=head_width, head_depth=head_depth,
+            time_dim=time_dim, norm_mode=norm_mode, action_space=self.action_space.to_dict(),
+            train_noise_samples=self.train_noise_samples, aug_shift=self.aug_shift)
+
+        self.lang_proj = nn.Sequential(nn.Linear(EMBED_DIM, lang_dim), nn.SiLU(), nn.Linear(lang_dim, lang_dim))
+        kind = encoder.get("kind", "conv")
+        out_dim = int(encoder.get("out_dim", 128))
+        if kind == "conv":
+            make = lambda: ConvEncoder(self.image_size, encoder.get("channels", [32, 64, 128, 128]), out_dim, lang_dim)  # noqa: E731
+        elif kind == "torchvision":
+            make = lambda: TorchvisionEncoder(encoder.get("name", "resnet18"), out_dim, lang_dim, encoder.get("weights"))  # noqa: E731
+        else:
+            raise ValueError(f"encoder.kind must be 'conv' or 'torchvision', got {kind!r}")
+        self.encoders = nn.ModuleDict({cam: make() for cam in self.cameras})
+        self.proprio_mlp = nn.Sequential(nn.Linear(self.state_dim, proprio_dim), nn.SiLU(),
+                                         nn.Linear(proprio_dim, proprio_dim))
+        fused = out_dim * len(self.cameras) + proprio_dim + lang_dim
+        self.fuse = nn.Sequential(nn.Linear(fused, cond_dim), nn.SiLU(), nn.Linear(cond_dim, cond_dim))
+        self.head = VelocityHead(self.chunk_size, self.action_dim, cond_dim, head_width, head_depth, time_dim)
+        self.normalizer = Normalizer({"proprio": self.state_dim, "actions": self.action_dim}, mode=norm_mode)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def device(self) -> torch.device:
+        return self.lang_proj[0].weight.device
+
+    def set_norm_stats(self, stats) -> "FlowVLAPolicy":
+        """Copy the ``"proprio"`` and ``"actions"`` statistics of a ``wmrl.storage.NormStats`` (e.g.
+        ``store.stats()``) into the buffers (saved in the checkpoint)."""
+        self.normalizer.set_stats(stats)
+        return self
+
+    def _images(self, images: dict[str, torch.Tensor], augment: bool, generator=None) -> dict[str, torch.Tensor]:
+        out = {}
+        for cam in self.cameras:
+            if cam not in images:
+                raise ValueError(f"observation has no camera {cam!r} (has {sorted(images)}); "
+                                 f"this policy was built for cameras {self.cameras}")
+            img = images[cam]
+            if img.dtype != torch.uint8 or img.ndim != 4 or img.shape[1] != 3:
+                raise ValueError(f"images[{cam!r}] must be uint8 (B, 3, Hi, Wi), got {img.dtype} {tuple(img.shape)}")
+            if list(img.shape[-2:]) != self.image_size:
+                raise ValueError(f"images[{cam!r}] are {tuple(img.shape[-2:])} px but the policy expects "
+                                 f"{tuple(self.image_size)}; render the cameras at that size")
+            x = img.to(self.device, non_blocking=True).float().mul_(2.0 / 255.0).sub_(1.0)
+            if augment:
+                x = random_shift(x, self.aug_shift, generator)
+            out[cam] = x
+        return out
+
+    def encode(self, images: dict[str, torch.Tensor], proprio: torch.Tensor, tasks: list[str],
+               augment: bool = False) -> torch.Tensor:
+        """Observation conditioning ``float32 (B, cond_dim)``.
+
+        Args:
+            images: camera -> ``uint8 (B, 3, Hi, Wi)``. proprio: raw ``(B, D_s)``. tasks: ``B`` strings.
+        """
+        lang = self.lang_proj(encode_instructions(list(tasks)).to(self.device))
+        ims = self._images(images, augment)
+        if proprio.shape[-1] != self.state_dim:
+            raise ValueError(f"proprio has D_s={proprio.shape[-1]}, the policy expects {self.state_dim}")
+        feats = [self.encoders[cam](ims[cam], lang) for cam in self.cameras]
+        feats.append(self.proprio_mlp(self.normalizer.normalize("proprio", proprio.to(self.device).float())))
+        feats.append(lang)
+        return self.fuse(torch.cat(feats, dim=-1))
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """``v(x_t, t | obs)``: ``x (B, H, D_a)``, ``t (B,)``, ``cond (B, C)`` -> ``(B, H, D_a)``."""
+        return self.head(x, t, cond)
+
+    # ------------------------------------------------------------------ training
+    def loss(self, batch: dict, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+        """Flow-matching BC loss on a batch of windows (``wmrl.storage.WindowDataset`` items, collated).
+
+        Args:
+            batch: ``images[cam]`` ``uint8 (B, n_obs, 3, Hi, Wi)`` or ``(B, 3, Hi, Wi)`` (the last
+                observation is used), ``proprio`` ``(B, n_obs, D_s)`` or ``(B, D_s)``, ``actions``
+                ``(B, H', D_a)`` with ``H' >= H``, ``action_pad`` ``bool (B, H')`` (True = padded,
+                excluded from the loss), ``instruction``: ``B`` strings.
+
+        Returns:
+            (scalar loss, dict of float metrics).
+        """
+        images = {c: (v[:, -1] if v.ndim == 5 else v) for c, v in batch["images"].items()}
+        proprio = batch["proprio"]
+        proprio = proprio[:, -1] if proprio.ndim == 3 else proprio
+        actions = batch["actions"][:, : self.chunk_size].to(self.device).float()
+        pad = batch.get("action_pad")
+        pad = pad[:, : self.chunk_size].to(self.device).bool() if pad is not None \
+            else torch.zeros(actions.shape[:2], dtype=torch.bool, device=self.device)
+        if actions.shape[1] != self.chunk_size:
+            raise ValueError(f"batch has {actions.shape[1]} actions per window, the policy needs {self.chunk_size}")
+        cond = self.encode(images, proprio, list(batch["instruction"]), augment=self.training)
+        m = max(1, self.train_noise_samples)
+        x0 = self.normalizer.normalize("actions", actions).repeat_interleave(m, 0)
+        cond = cond.repeat_interleave(m, 0)
+        pad = pad.repeat_interleave(m, 0)
+        b = x0.shape[0]
+        # pi0 / LeRobot time sampling: Beta(1.5, 1) scaled to [0.001, 1) (more weight on noisy t)
+        gdev = generator.device if generator is not None else self.device
+        u = torch.rand(b, generator=generator, device=gdev).to(self.device)
+        t = 0.001 + 0.999 * u.pow(1.0 / 1.5)
+        eps = torch.randn(x0.shape, generator=generator, device=gdev).to(self.device)
+        xt = (1 - t)[:, None, None] * x0 + t[:, None, None] * eps
+        v = self.velocity(xt, t, cond)
+        loss = masked_mse(v, eps - x0, pad)  # padded steps (past the episode end) are left out
+        return loss, {"loss": float(loss.detach())}
+
+    # ------------------------------------------------------------------ Policy protocol
+    def _velocity_fn(self, obs: Obs):
+        obs.validate()
+        cond = self.encode(obs.images, obs.proprio, obs.task)
+        return lambda x, t: self.velocity(x, t, cond)
+
+    def sample(self, obs: Obs, generator: torch.Generator | None = None) -> PolicySample:
+        """Sample an action chunk with ``self.sampler``.
+
+        Returns ``PolicySample`` with ``actions`` ``float32 (B, H, D_a)`` unnormalised and clipped to the
+        action space, ``log_prob`` ``(B,)`` (0 for the ODE sampler) and, for the SDE sampler,
+        ``extras["chain"]`` ``(B, K+1, H, D_a)`` (normalised, pre-clip) and ``extras["noise_level"]`` ``(B,)``.
+        """
+        with torch.no_grad():
+            vf = self._velocity_fn(obs)
+            out = self.sampler.sample(vf, (obs.batch_size, self.chunk_size, self.action_dim), generator, self.device)
+            actions = clip_to_space(self.normalizer.unnormalize("actions", out.x0), self.action_space).float()
+        extras = {}
+        if out.chain is not None:
+            extras["chain"] = out.chain
+        if getattr(self.sampler, "stochastic", False):
+            extras["noise_level"] = torch.full((obs.batch_size,), self.sampler.noise_level, device=self.device)
+        return PolicySample(actions=actions, log_prob=out.log_prob.float(), extras=extras)
+
+    def log_prob(self, obs: Obs, sample: PolicySample) -> torch.Tensor:
+        """Differentiable ``float32 (B,)`` log-density of ``sample.extras["chain"]`` under the current
+        parameters (see ``policies.samplers.SDESampler``). Raises ``ValueError`` if the policy's sampler is
+        not stochastic, the sample has no chain, or it was drawn with another noise level."""
+        if not getattr(self.sampler, "stochastic", False):
+            raise ValueError("log_prob needs a stochastic sampler: set policy.sampler = "
+                             "policies.samplers.SDESampler(num_steps, noise_level) before sampling")
+        chain = sample.extras.get("chain")
+        if chain is None:
+            raise ValueError("sample has no extras['chain']; it was not drawn with an SDE sampler")
+        nl = sample.extras.get("noise_level")
+        if nl is not None and not torch.allclose(nl.float().cpu(), torch.tensor(self.sampler.noise_level)):
+            raise ValueError(f"sample drawn with noise_level {float(nl.flatten()[0])}, the policy's sampler "
+                             f"has {self.sampler.noise_level}")
+        vf = self._velocity_fn(obs)
+        return self.sampler.log_prob(vf, chain.to(self.device))
+
+
+def build_sampler(kind: str = "ode", num_steps: int = 10, noise_level: float = 0.5):
+    """``"ode"`` -> :class:`EulerODESampler`; ``"sde"`` -> :class:`SDESampler` (Hydra-friendly factory)."""
+    if kind == "ode":
+        return EulerODESampler(num_steps)
+    if kind == "sde":
+        return SDESampler(num_steps, noise_level)
+    raise ValueError(f"sampler kind must be 'ode' or 'sde', got {kind!r}")

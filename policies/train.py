@@ -1,0 +1,257 @@
+"""Behaviour cloning of a flow-matching policy on windows of an ``EpisodeStore`` (a short linear loop).
+
+``train_bc(policy, dataset, cfg, out_dir) -> dict`` is called by ``wmrl train-policy`` and by the
+pipeline. The policy must provide ``loss(batch, generator) -> (loss, metrics)`` (e.g.
+``FlowVLAPolicy``) and ``init_config`` (its constructor arguments, saved in the checkpoint).
+
+Checkpoints (``out_dir/checkpoints/step_<n>`` and ``.../last``) are written with
+``wmrl.checkpoint.save_checkpoint`` (``config.yaml`` + ``model.safetensors``, loadable with
+``wmrl.checkpoint.load_checkpoint``); when an EMA is kept the EMA weights are the model weights. The
+optimizer state and raw (non-EMA) weights needed to resume go in the checkpoint's
+``extra.safetensors``, the step and loss history in ``meta.json`` (no pickle). ``resume=True`` continues from ``last`` when it exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, RandomSampler
+from tqdm.auto import tqdm
+
+log = logging.getLogger("wmrl.policies")
+
+DEFAULTS = dict(steps=2000, batch_size=64, lr=3e-4, weight_decay=1e-4, warmup_steps=100, min_lr_ratio=0.1,
+                grad_clip=1.0, ema_decay=0.995, log_every=25, ckpt_every=500, num_workers=0, seed=0,
+                resume=True, time_budget_s=0.0)
+
+
+def _cfg(cfg: Any) -> dict:
+    if cfg is None:
+        return dict(DEFAULTS)
+    if hasattr(cfg, "items"):
+        try:
+            from omegaconf import OmegaConf
+
+            if OmegaConf.is_config(cfg):
+                cfg = OmegaConf.to_container(cfg, resolve=True)
+        except ImportError:  # pragma: no cover
+            pass
+        unknown = set(cfg) - set(DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown train options {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+        return {**DEFAULTS, **dict(cfg)}
+    raise TypeError(f"train cfg must be a mapping, got {type(cfg)}")
+
+
+def _lr_at(step: int, c: dict) -> float:
+    if step < c["warmup_steps"]:
+        return c["lr"] * (step + 1) / max(1, c["warmup_steps"])
+    prog = (step - c["warmup_steps"]) / max(1, c["steps"] - c["warmup_steps"])
+    return c["lr"] * (c["min_lr_ratio"] + (1 - c["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
+
+
+def policy_checkpoint_config(policy) -> dict:
+    """The constructor config saved with a policy: ``init_config`` plus its sampler as a ``_target_``."""
+    cfg = dict(policy.init_config)
+    s = policy.sampler
+    sc = {"_target_": f"{type(s).__module__}.{type(s).__qualname__}", "num_steps": s.num_steps}
+    if getattr(s, "stochastic", False):
+        sc["noise_level"] = s.noise_level
+    cfg["sampler"] = sc
+    return cfg
+
+
+def save_policy(policy, folder: str | Path) -> Path:
+    """Save ``policy`` as a checkpoint folder via ``wmrl.checkpoint.save_checkpoint``."""
+    from wmrl.checkpoint import save_checkpoint
+
+    folder = Path(folder)
+    save_checkpoint(policy, folder, policy_checkpoint_config(policy))
+    return folder
+
+
+def _optimizer_state(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> tuple[dict, dict]:
+    tensors, meta = {}, {"steps": {}}
+    for i, p in enumerate(params):
+        st = opt.state.get(p, {})
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.ndim > 0:
+                tensors[f"opt.{i}.{k}"] = v.detach().cpu().contiguous()
+            else:
+                meta["steps"][f"{i}.{k}"] = float(v)
+    return tensors, meta
+
+
+def _load_optimizer_state(opt, params, tensors: dict, meta: dict) -> None:
+    for i, p in enumerate(params):
+        st = {}
+        for name, v in tensors.items():
+            if name.startswith(f"opt.{i}."):
+                st[name.split(".", 2)[2]] = v.to(p.device)
+        for key, v in meta["steps"].items():
+            idx, k = key.split(".", 1)
+            if int(idx) == i:
+                st[k] = torch.tensor(v)
+        if st:
+            opt.state[p] = st
+
+
+def _save_all(policy, ema, opt, params, step: int, ckpt_root: Path, history: list) -> Path:
+    """Write ``step_<n>`` and ``last`` (each atomically, via ``wmrl.checkpoint.save_checkpoint``)."""
+    from wmrl.checkpoint import save_checkpoint
+
+    tensors, meta = _optimizer_state(opt, params)
+    if ema is not None:
+        tensors.update({f"raw.{k}": v.detach().cpu().contiguous() for k, v in policy.state_dict().items()})
+    meta.update(step=step, history=history[-200:])
+    model = ema if ema is not None else policy
+    folder = ckpt_root / f"step_{step}"
+    for f in (folder, ckpt_root / "last"):
+        save_checkpoint(model, f, policy_checkpoint_config(model), extra_tensors=tensors or None, meta=meta)
+    return folder
+
+
+def _batches(dataset, n: int, c: dict, gen: torch.Generator):
+    """``n`` batches of windows drawn uniformly with replacement: vectorised ``sample_batch`` of an
+    in-memory ``WindowDataset``, else a ``DataLoader``."""
+    if getattr(dataset, "in_memory", False) and hasattr(dataset, "sample_batch"):
+        return (dataset.sample_batch(c["batch_size"], generator=gen) for _ in range(n))
+    sampler = RandomSampler(dataset, replacement=True, num_samples=n * c["batch_size"], generator=gen)
+    return DataLoader(dataset, batch_size=c["batch_size"], sampler=sampler, num_workers=c["num_workers"],
+                      drop_last=True)
+
+
+def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -> dict:
+    """Behaviour cloning with flow matching.
+
+    Args:
+        policy: a ``torch.nn.Module`` with ``loss(batch, generator)`` and ``init_config``; its
+            normalisation statistics must already be set (``policy.set_norm_stats(store.stats())``).
+        dataset: map-style dataset of windows (``wmrl.storage.WindowDataset(store, n_obs, horizon)``
+            items: ``images``, ``proprio``, ``actions``, ``action_pad``, ``instruction``, ...).
+        cfg: mapping with keys of :data:`DEFAULTS` (``steps``, ``batch_size``, ``lr``, ``ema_decay`` (0 =
+            off), ``ckpt_every``, ``resume``, ``time_budget_s`` (stop early after this wall time; 0 = off)...).
+        out_dir: run directory; TensorBoard scalars go to ``out_dir/tb``, checkpoints to
+            ``out_dir/checkpoints``.
+        val_dataset: optional held-out windows; their loss is reported at the end.
+
+    Returns:
+        report dict: ``steps``, ``final_loss`` (mean of the last ``log_every`` steps), ``val_loss``,
+        ``train_time_s``, ``samples_per_s``, ``checkpoint`` (path of ``last``), ``resumed_from``.
+    """
+    c = _cfg(cfg)
+    out_dir = Path(out_dir)
+    ckpt_root = out_dir / "checkpoints"
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    if len(dataset) == 0:
+        raise ValueError("the training dataset has no windows; is the store empty?")
+    params = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=c["lr"], weight_decay=c["weight_decay"])
+    ema = None
+    if c["ema_decay"] > 0:
+        ema = copy.deepcopy(policy).eval()
+        for p in ema.parameters():
+            p.requires_grad_(False)
+    start, history = 0, []
+    resumed_from = None
+    last = ckpt_root / "last"
+    if c["resume"] and (last / "meta.json").exists():
+        from wmrl.checkpoint import load_checkpoint, load_checkpoint_meta, load_extra_tensors
+
+        meta = load_checkpoint_meta(last)
+        loaded = load_checkpoint(last)
+        tensors = load_extra_tensors(last)
+        raw = {k[4:]: v for k, v in tensors.items() if k.startswith("raw.")}
+        policy.load_state_dict(raw if raw else loaded.state_dict())
+        if ema is not None:
+            ema.load_state_dict(loaded.state_dict())
+        _load_optimizer_state(opt, params, {k: v for k, v in tensors.items() if k.startswith("opt.")}, meta)
+        start, history = int(meta["step"]), list(meta.get("history", []))
+        resumed_from = str(last)
+        log.info("resumed from %s at step %d", last, start)
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(out_dir / "tb"))
+    gen = torch.Generator().manual_seed(int(c["seed"]) + start)
+    remaining = c["steps"] - start
+    batches = _batches(dataset, remaining, c, gen) if remaining > 0 else None
+    policy.train()
+    t0 = time.time()
+    step = start
+    recent: list[float] = []
+    done_samples = 0
+    if batches is not None:
+        bar = tqdm(batches, total=remaining, initial=0, desc="bc", dynamic_ncols=True)
+        for batch in bar:
+            lr = _lr_at(step, c)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            loss, metrics = policy.loss(batch, generator=gen)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite BC loss at step {step}: {float(loss)}")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(params, c["grad_clip"]) if c["grad_clip"] > 0 else torch.tensor(0.0)
+            opt.step()
+            if ema is not None:
+                with torch.no_grad():
+                    for pe, pp in zip(ema.parameters(), policy.parameters()):
+                        pe.lerp_(pp, 1 - c["ema_decay"])
+                    for be, bp in zip(ema.buffers(), policy.buffers()):
+                        be.copy_(bp)
+            step += 1
+            done_samples += c["batch_size"]
+            recent.append(metrics["loss"])
+            recent = recent[-c["log_every"]:]
+            if step % c["log_every"] == 0 or step == c["steps"]:
+                avg = sum(recent) / len(recent)
+                writer.add_scalar("bc/loss", avg, step)
+                writer.add_scalar("bc/lr", lr, step)
+                writer.add_scalar("bc/grad_norm", float(gnorm), step)
+                writer.add_scalar("bc/samples_per_s", done_samples / max(1e-9, time.time() - t0), step)
+                history.append({"step": step, "loss": avg})
+                bar.set_postfix(loss=f"{avg:.4f}", lr=f"{lr:.1e}")
+            if c["ckpt_every"] > 0 and step % c["ckpt_every"] == 0 and step < c["steps"]:
+                _save_all(policy, ema, opt, params, step, ckpt_root, history)
+            if c["time_budget_s"] > 0 and time.time() - t0 > c["time_budget_s"]:
+                log.warning("time budget of %.0f s reached at step %d of %d", c["time_budget_s"], step, c["steps"])
+                break
+        bar.close()
+    train_time = time.time() - t0
+    final = _save_all(policy, ema, opt, params, step, ckpt_root, history)
+    report = {"steps": step, "final_loss": (sum(recent) / len(recent)) if recent else None,
+              "train_time_s": round(train_time, 2),
+              "samples_per_s": round(done_samples / max(1e-9, train_time), 2) if done_samples else None,
+              "checkpoint": str(ckpt_root / "last"), "step_checkpoint": str(final), "resumed_from": resumed_from,
+              "num_params": sum(p.numel() for p in policy.parameters())}
+    if val_dataset is not None and len(val_dataset) > 0:
+        report["val_loss"] = evaluate_loss(ema if ema is not None else policy, val_dataset, c["batch_size"], seed=c["seed"])
+        writer.add_scalar("bc/val_loss", report["val_loss"], step)
+    writer.close()
+    policy.eval()
+    return report
+
+
+@torch.no_grad()
+def evaluate_loss(policy, dataset, batch_size: int = 64, seed: int = 0, max_batches: int = 20) -> float:
+    """Mean flow-matching loss of ``policy`` on ``dataset`` (fixed seed, no augmentation)."""
+    was = policy.training
+    policy.eval()
+    gen = torch.Generator().manual_seed(seed)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
+    tot, n = 0.0, 0
+    for i, batch in enumerate(loader):
+        if i >= max_batches:
+            break
+        loss, _ = policy.loss(batch, generator=gen)
+        tot += float(loss)
+        n += 1
+    policy.train(was)
+    return tot / max(1, n)

@@ -1,0 +1,80 @@
+"""Pipeline plumbing on fakes: whole-episode recording into an EpisodeStore, store merging, resumable
+stages, presets, plots. The end-to-end debug preset is in tests/test_pipeline_e2e.py."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from grpo_fakes import GaussianChunkPolicy, ToyReachEnv, toy_starts
+from wmrl.run import pipeline
+from wmrl.run.common import RunContext
+from wmrl.types import ActionSpace
+
+
+def test_record_episodes_every_step_and_store_roundtrip(tmp_path):
+    from wmrl.storage import EpisodeStore
+
+    env = ToyReachEnv(num_envs=3, max_steps=10)
+    pol = GaussianChunkPolicy()
+    starts = toy_starts(2)  # 4 starts over 2 batches of 3
+    eps = pipeline.record_episodes(env, pol, starts, max_steps=50, generator=torch.Generator().manual_seed(0))
+    assert [e.task_name for e in eps] == [s.task_name for s in starts]
+    for e, s in zip(eps, starts):
+        assert 1 <= e.length <= 10
+        assert e.images["agentview"].shape == (e.length, 3, 4, 4) and e.proprio.shape == (e.length, 6)
+        assert e.rewards.shape == (e.length,)
+        # the first recorded observation is the start's init position
+        assert np.allclose(e.proprio[0, :3], ToyReachEnv.init_pos(s.init_index).numpy())
+        # success ends the episode early, failure runs to the step limit
+        assert e.success or e.length == 10
+    space = ActionSpace(dim=3)
+    for name, part in (("a", eps[:2]), ("b", eps[2:])):
+        st = EpisodeStore.create(tmp_path / f"{name}.zarr", cameras={"agentview": (4, 4)}, state_dim=6, action_dim=3,
+                                 fps=20, action_space=space)
+        for e in part:
+            st.append(e)
+    rep = pipeline.merge_stores([tmp_path / "a.zarr", tmp_path / "b.zarr"], tmp_path / "m.zarr")
+    m = EpisodeStore.open(tmp_path / "m.zarr")
+    assert rep["episodes"] == 4 and list(m.lengths) == [e.length for e in eps]
+    assert np.array_equal(m.episode(3).actions, eps[3].actions)
+
+
+def test_stages_time_and_skip_finished_on_resume(tmp_path):
+    cfg = OmegaConf.create({"seed": 0, "num_threads": 1})
+    ctx = RunContext(cfg, out_dir=tmp_path)
+    calls = []
+
+    def fn(c, sub):
+        calls.append(sub.out_dir.name)
+        return {"value": 7}
+
+    s = pipeline.Stages(ctx, resume=True)
+    assert s.run("a", cfg, fn)["value"] == 7
+    assert (tmp_path / "a" / "report.json").is_file() and "a" in s.wall
+    s2 = pipeline.Stages(ctx, resume=True)
+    assert s2.run("a", cfg, fn)["value"] == 7 and calls == ["a"]
+    pipeline.Stages(ctx, resume=False).run("a", cfg, fn)
+    assert calls == ["a", "a"]
+
+
+def test_presets_merge_and_unknown_preset_errors():
+    c = pipeline.compose_stage_config("pipeline", {"preset": "debug"})
+    d = pipeline.apply_preset(c)
+    assert d.stages.grpo.iterations < c.stages.grpo.iterations and d.evaluation.episodes_per_task < 50
+    assert c.evaluation.episodes_per_task == 50  # the default evaluates 50 held-out init states per task
+    with pytest.raises(ValueError, match="unknown pipeline preset"):
+        pipeline.apply_preset(OmegaConf.merge(c, {"preset": "nope"}))
+
+
+def test_plots_are_written(tmp_path):
+    r = {"success": 0.4, "ci95": [0.3, 0.5], "per_task": {"a": {"success": 0.2, "ci95": [0.1, 0.4]},
+                                                          "b": {"success": 0.6, "ci95": [0.4, 0.7]}}}
+    p = pipeline.plot_before_after(r, r, tmp_path / "ba.png")
+    hist = [{"iteration": 1, "success_rate": 0.3}, {"iteration": 2, "success_rate": 0.5}]
+    evals = [{"iteration": 0, "success": 0.2, "ci95": [0.1, 0.3]}, {"iteration": 2, "success": 0.4, "ci95": [0.2, 0.6]}]
+    q = pipeline.plot_imagined_vs_real(hist, evals, tmp_path / "iv.png")
+    for f in (p, q):
+        assert f.is_file() and f.read_bytes()[:4] == b"\x89PNG"

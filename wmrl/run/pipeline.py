@@ -1,0 +1,454 @@
+"""``wmrl pipeline``: the main job, from demonstrations to a policy improved in imagination, with the
+evidence.
+
+Stages (each in its own sub-directory of the run, with its own ``config.yaml`` and ``report.json``;
+each is a ``run(cfg, ctx)`` of its entry-point module, called in process):
+
+1. ``collect``      noisy scripted demos of the suite tasks -> EpisodeStore (``wmrl collect``)
+2. ``bc``           behaviour cloning of the flow-matching VLA policy (``wmrl train-policy``)
+3. ``bc_rollouts``  real-sim rollouts of the BC policy from train init states -> EpisodeStore
+4. ``worldmodel`` / ``critic``  trained on demos + BC rollouts (``wmrl train-worldmodel`` / ``train-critic``)
+5. ``eval_before``  real-sim success of the BC policy on the held-out (eval) init states
+6. ``grpo``         GRPO in imagination (``wmrl post-train env=imagination``)
+7. ``eval_after``   real-sim success of the post-trained policy on the same held-out init states
+8. ``report.json`` (wall time per stage, success per task before/after with Wilson 95 % CIs), plots
+   (``success_before_after.png``, ``imagined_vs_real.png``) and videos (``videos/*.mp4``).
+
+``preset=debug`` shrinks every stage so that the whole loop runs in about a minute (tests).
+With ``resume=true`` (default) a stage whose ``report.json`` exists is not run again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from wmrl import grpo
+from wmrl.run.common import RunContext
+from wmrl.types import Episode, Start
+
+log = logging.getLogger("wmrl.pipeline")
+
+
+# ------------------------------------------------------------------------------------------
+# Stage plumbing
+# ------------------------------------------------------------------------------------------
+
+
+def compose_stage_config(config_name: str, overrides: dict | DictConfig | None = None,
+                         groups: list[str] | None = None) -> DictConfig:
+    """Compose ``configs/<config_name>.yaml`` with Hydra (``groups``: group selections such as
+    ``"env=imagination"``), then merge ``overrides`` (a nested dict) on top."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    groups = list(groups or [])
+    if GlobalHydra.instance().is_initialized():
+        cfg = compose(config_name, overrides=groups)
+    else:
+        with initialize_config_module("configs", version_base="1.3"):
+            cfg = compose(config_name, overrides=groups)
+    OmegaConf.set_struct(cfg, False)
+    if overrides:
+        cfg = OmegaConf.merge(cfg, OmegaConf.create(_container(overrides)))
+    return cfg
+
+
+def _container(x):
+    return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
+
+
+class Stages:
+    """Runs named stages in ``ctx.child(name)``, timing them and skipping finished ones on resume."""
+
+    def __init__(self, ctx: RunContext, resume: bool):
+        self.ctx, self.resume = ctx, resume
+        self.wall: dict[str, float] = {}
+        self.reports: dict[str, dict] = {}
+
+    def run(self, name: str, cfg: DictConfig, fn) -> dict:
+        rp = self.ctx.out_dir / name / "report.json"
+        if self.resume and rp.is_file():
+            rep = json.loads(rp.read_text())
+            log.info("stage %s: done before, reusing %s", name, rp)
+            self.wall[name] = float(rep.get("wall_time_s", 0.0))
+        else:
+            t0 = time.time()
+            log.info("stage %s ...", name)
+            sub = self.ctx.child(name, cfg)
+            rep = fn(cfg, sub)
+            rep = dict(rep)
+            rep["wall_time_s"] = round(time.time() - t0, 3)
+            sub.finish(rep)
+            rep = json.loads(rp.read_text())
+            self.wall[name] = rep["wall_time_s"]
+            log.info("stage %s: %.1f s", name, self.wall[name])
+        self.reports[name] = rep
+        return rep
+
+
+def _module_run(module: str):
+    import importlib
+
+    try:
+        mod = importlib.import_module(f"wmrl.run.{module}")
+    except ModuleNotFoundError as e:
+        if e.name == f"wmrl.run.{module}":
+            raise RuntimeError(f"pipeline stage needs wmrl.run.{module}, which is not in this version") from None
+        raise
+    return mod.run
+
+
+# ------------------------------------------------------------------------------------------
+# BC rollouts: whole episodes of a policy in a ChunkEnv, written step by step
+# ------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def record_episodes(env, policy, starts: list[Start], max_steps: int, generator: torch.Generator | None = None,
+                    source: str = "policy_rollout", progress: bool = False) -> list[Episode]:
+    """Run ``policy`` from every start once and return the whole episodes (every control step).
+
+    Each sampled chunk ``(B, H, D_a)`` is executed one step at a time (``env.step`` with ``H = 1``)
+    so that every step's observation is recorded, exactly as a scripted demo is. An episode ends at
+    termination, truncation or ``max_steps``. ``env`` must not auto-reset in a way that hides the
+    boundary (``StepResult.done`` marks it). Returns ``Episode`` objects (``sim_states`` when the
+    env exposes ``sim_state(slot)``), in the order of ``starts``.
+    """
+    b = env.num_envs
+    out: list[Episode] = []
+    batches = range(0, len(starts), b)
+    if progress:
+        from tqdm import tqdm
+
+        batches = tqdm(batches, desc="bc rollouts", leave=False)
+    for i in batches:
+        real = list(starts[i:i + b])
+        batch = real + [real[-1]] * (b - len(real))
+        obs = env.reset(batch)
+        n = len(real)
+        buf = [{"images": {k: [] for k in obs.images}, "proprio": [], "actions": [], "rewards": [], "states": []}
+               for _ in range(n)]
+        alive = np.zeros(b, bool)
+        alive[:n] = True
+        success = np.zeros(b, bool)
+        t = 0
+        has_state = hasattr(env, "sim_state")
+        while alive.any() and t < max_steps:
+            chunk = policy.sample(obs, generator=generator).actions
+            for h in range(chunk.shape[1]):
+                if not alive.any() or t >= max_steps:
+                    break
+                for j in np.flatnonzero(alive[:n]):
+                    for k, v in obs.images.items():
+                        buf[j]["images"][k].append(v[j].cpu().numpy())
+                    buf[j]["proprio"].append(obs.proprio[j].cpu().numpy())
+                    buf[j]["actions"].append(chunk[j, h].cpu().numpy())
+                    if has_state:
+                        buf[j]["states"].append(np.asarray(env.sim_state(int(j))))
+                res = env.step(chunk[:, h:h + 1])
+                for j in np.flatnonzero(alive[:n]):
+                    buf[j]["rewards"].append(float(res.reward[j]))
+                    if bool(res.success[j]):
+                        success[j] = True
+                alive &= ~res.done.cpu().numpy().astype(bool)
+                obs = res.obs
+                t += 1
+        for j, s in enumerate(real):
+            d = buf[j]
+            out.append(Episode(
+                images={k: np.stack(v).astype(np.uint8) for k, v in d["images"].items()},
+                proprio=np.stack(d["proprio"]).astype(np.float32), actions=np.stack(d["actions"]).astype(np.float32),
+                rewards=np.asarray(d["rewards"], np.float32), success=bool(success[j]), instruction=s.instruction,
+                task_name=s.task_name, sim_states=np.stack(d["states"]) if d["states"] else None,
+                info={"source": source, "init_index": s.init_index, "split": s.split}))
+    return out
+
+
+def merge_stores(sources: list[Path], dest: Path, source: str = "pipeline") -> dict:
+    """Copy every episode of ``sources`` (EpisodeStores with the same cameras/dims) into a new store."""
+    from wmrl.storage import EpisodeStore
+
+    first = EpisodeStore.open(sources[0], "r")
+    m = first.meta
+    out = EpisodeStore.create(dest, cameras={k: tuple(v) for k, v in m["cameras"].items()}, state_dim=m["state_dim"],
+                              action_dim=m["action_dim"], fps=m["fps"], action_space=first.action_space,
+                              embodiment=m.get("embodiment", "panda"), source=source, overwrite=True)
+    n = 0
+    for p in sources:
+        st = EpisodeStore.open(p, "r")
+        for i in range(len(st)):
+            out.append(st.episode(i))
+            n += 1
+    return {"episodes": n, "path": str(dest)}
+
+
+# ------------------------------------------------------------------------------------------
+# Plots and videos
+# ------------------------------------------------------------------------------------------
+
+
+def plot_before_after(before: dict, after: dict, path: Path, title: str = "") -> Path:
+    """Grouped bars of per-task success before / after with Wilson 95 % CI error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(before["per_task"])
+    x = np.arange(len(tasks) + 1)
+    fig, ax = plt.subplots(figsize=(1.8 * len(x) + 2, 3.6))
+    for off, (lab, r, col) in zip((-0.2, 0.2), (("before (BC)", before, "#999999"), ("after GRPO in imagination", after, "#2a7ab9"))):
+        vals = [r["per_task"][t]["success"] for t in tasks] + [r["success"]]
+        cis = [r["per_task"][t]["ci95"] for t in tasks] + [r["ci95"]]
+        err = np.array([[v - c[0] for v, c in zip(vals, cis)], [c[1] - v for v, c in zip(vals, cis)]])
+        ax.bar(x + off, vals, 0.4, yerr=np.clip(err, 0, None), capsize=3, label=lab, color=col)
+    ax.set_xticks(x, tasks + ["mean"], rotation=15)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("real-sim success (held-out init states)")
+    ax.set_title(title or "success before / after, 95 % Wilson CI")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_imagined_vs_real(history: list[dict], evals: list[dict], path: Path) -> Path:
+    """Imagined success per GRPO iteration against periodic real-sim success."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    if history:
+        ax.plot([h["iteration"] for h in history], [h["success_rate"] for h in history], "-o", ms=3,
+                label="imagined success (training rollouts)")
+    if evals:
+        it = [e["iteration"] for e in evals]
+        s = [e["success"] for e in evals]
+        lo = [e["success"] - e["ci95"][0] for e in evals]
+        hi = [e["ci95"][1] - e["success"] for e in evals]
+        ax.errorbar(it, s, yerr=[lo, hi], fmt="-s", capsize=3, label="real-sim success (held-out)")
+    ax.set_xlabel("GRPO iteration")
+    ax.set_ylabel("success")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+@torch.no_grad()
+def record_videos(env, policy, starts: list[Start], max_chunks: int, folder: Path, prefix: str, camera: str,
+                  fps: int = 20, seed: int = 0) -> list[str]:
+    """One mp4 per start (``env`` must support ``record(slot, camera)`` / ``take_frames``)."""
+    import imageio.v2 as imageio
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    b = env.num_envs
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(0, len(starts), b):
+        real = starts[i:i + b]
+        batch = real + [real[-1]] * (b - len(real))
+        for j in range(b):
+            env.record(j, camera if j < len(real) else None)
+        ro = grpo.rollout_batch(env, policy, batch, torch.arange(b), max_chunks, generator=gen)
+        for j, s in enumerate(real):
+            frames = env.take_frames(j)
+            if not frames:
+                continue
+            ok = "success" if bool(ro.success[j]) else "fail"
+            p = folder / f"{prefix}_{s.task_name}_{s.split}{s.init_index}_{ok}.mp4"
+            imageio.mimsave(p, frames, fps=fps, macro_block_size=1)
+            paths.append(str(p))
+        for j in range(b):
+            env.record(j, None)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------
+# run
+# ------------------------------------------------------------------------------------------
+
+
+def apply_preset(cfg: DictConfig) -> DictConfig:
+    """Merge ``cfg.presets[cfg.preset]`` onto ``cfg`` (no-op for ``preset=null``)."""
+    name = cfg.get("preset")
+    if not name:
+        return cfg
+    presets = cfg.get("presets") or {}
+    if name not in presets:
+        raise ValueError(f"unknown pipeline preset {name!r}; known: {sorted(presets)}")
+    merged = OmegaConf.merge(cfg, presets[name])
+    with open_dict(merged):
+        merged.preset = name
+    return merged
+
+
+def _eval_policy(policy_path: Path, cfg: DictConfig, tasks: dict, eval_env, seed: int) -> dict:
+    from wmrl.run.post_train import load_policy, using_sampler
+
+    policy, _ = load_policy(policy_path, cfg.device)
+    policy.eval()
+    sampler = hydra.utils.instantiate(cfg.eval_sampler) if cfg.get("eval_sampler") else None
+    starts = grpo.all_starts(tasks, int(cfg.evaluation.episodes_per_task), split="eval")
+    with using_sampler(policy, sampler):
+        r = grpo.evaluate_success(eval_env, policy, starts, int(cfg.evaluation.max_chunks), seed=seed, progress=True)
+    r["policy"] = str(policy_path)
+    return r
+
+
+def run(cfg: DictConfig, ctx: RunContext) -> dict:
+    """The main job (see module docstring). Returns the report: ``stages`` (wall time per stage),
+    ``before`` / ``after`` (success per task with CIs), ``success_gain``, paths of plots, videos and
+    checkpoints."""
+    cfg = apply_preset(cfg)
+    (ctx.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    from wmrl.run.post_train import make_sim_env, task_instructions
+
+    t_start = time.time()
+    tasks = task_instructions(cfg.tasks)
+    stages = Stages(ctx, resume=bool(cfg.resume))
+    out = ctx.out_dir
+    task_list = list(tasks)
+    seed = int(cfg.seed)
+    common = {"seed": seed, "num_threads": cfg.num_threads, "device": cfg.device}
+    S = cfg.stages
+
+    # 1. noisy scripted demos
+    demos = out / "collect" / "demos.zarr"
+    c = compose_stage_config("collect", {**common, **_container(S.collect), "tasks": task_list, "out": str(demos)})
+    stages.run("collect", c, _module_run("collect"))
+
+    # 2. behaviour cloning
+    c = compose_stage_config("train_policy", {**common, **_container(S.bc), "store": str(demos)})
+    stages.run("bc", c, _module_run("train_policy"))
+    bc_ckpt = out / "bc" / "checkpoints" / "last"
+
+    # 3. real-sim rollouts of the BC policy from train init states
+    rollouts = out / "bc_rollouts" / "rollouts.zarr"
+    mixed = out / "bc_rollouts" / "demos_and_rollouts.zarr"
+
+    def _bc_rollouts(scfg, sctx):
+        from wmrl.run.post_train import load_policy, using_sampler
+        from wmrl.storage import EpisodeStore
+
+        policy, _ = load_policy(bc_ckpt, cfg.device)
+        policy.eval()
+        env = make_sim_env(int(scfg.num_envs), **_container(scfg.get("sim", {}) or {}))
+        n = int(scfg.episodes_per_task)
+        rng = np.random.default_rng([seed, 3])
+        starts = [Start(task_name=t, instruction=tasks[t], init_index=int(k), split="train")
+                  for t in task_list for k in rng.choice(int(scfg.n_init), size=n, replace=False)]
+        sampler = hydra.utils.instantiate(scfg.sampler) if scfg.get("sampler") else None
+        with using_sampler(policy, sampler):
+            eps = record_episodes(env, policy, starts, int(scfg.max_steps),
+                                  generator=torch.Generator().manual_seed(seed + 5), source="bc_rollout", progress=True)
+        demo_store = EpisodeStore.open(demos, "r")
+        m = demo_store.meta
+        st = EpisodeStore.create(rollouts, cameras={k: tuple(v) for k, v in m["cameras"].items()},
+                                 state_dim=m["state_dim"], action_dim=m["action_dim"], fps=m["fps"],
+                                 action_space=demo_store.action_space, embodiment=m.get("embodiment", "panda"),
+                                 source="bc_rollout", overwrite=True)
+        for e in eps:
+            st.append(e)
+        merge_stores([demos, rollouts], mixed)
+        succ = {t: float(np.mean([e.success for e in eps if e.task_name == t])) for t in task_list}
+        return {"episodes": len(eps), "success_per_task": succ, "store": str(rollouts), "mixed_store": str(mixed)}
+
+    stages.run("bc_rollouts", OmegaConf.create({**common, **_container(S.bc_rollouts)}), _bc_rollouts)
+
+    # 4. world model + critic on demos + rollouts
+    c = compose_stage_config("train_worldmodel", {**common, **_container(S.worldmodel), "store": str(mixed)})
+    stages.run("worldmodel", c, _module_run("train_worldmodel"))
+    c = compose_stage_config("train_critic", {**common, **_container(S.critic), "store": str(mixed)})
+    stages.run("critic", c, _module_run("train_critic"))
+    wm_ckpt = out / "worldmodel" / "checkpoints" / "last"
+    critic_ckpt = out / "critic" / "checkpoints" / "last"
+
+    # 5-7. real-sim evaluation before, GRPO in imagination, evaluation after
+    eval_env = None
+
+    def _get_eval_env():
+        nonlocal eval_env
+        if eval_env is None:
+            eval_env = make_sim_env(int(cfg.evaluation.num_envs), **_container(cfg.evaluation.get("sim", {}) or {}))
+        return eval_env
+
+    before = stages.run("eval_before", OmegaConf.create({**common, "policy": str(bc_ckpt)}),
+                        lambda c_, x_: _eval_policy(bc_ckpt, cfg, tasks, _get_eval_env(), seed))
+
+    gcfg = compose_stage_config(
+        "post_train",
+        {**common, **_container(S.grpo), "policy": str(bc_ckpt), "tasks": task_list,
+         "env": {"world_model": str(wm_ckpt), "critic": str(critic_ckpt)}},
+        groups=["env=imagination"])
+    grep = stages.run("grpo", gcfg, _module_run("post_train"))
+    grpo_ckpt = out / "grpo" / "checkpoints" / "last"
+    after = stages.run("eval_after", OmegaConf.create({**common, "policy": str(grpo_ckpt)}),
+                       lambda c_, x_: _eval_policy(grpo_ckpt, cfg, tasks, _get_eval_env(), seed))
+
+    # 8. plots, videos, report
+    plots = {"success_before_after": str(plot_before_after(before, after, out / "success_before_after.png")),
+             "imagined_vs_real": str(plot_imagined_vs_real(grep.get("history", []), grep.get("evals", []),
+                                                            out / "imagined_vs_real.png"))}
+    videos: list[str] = []
+    nv = int(cfg.videos.per_task)
+    if nv > 0:
+        from wmrl.run.post_train import load_policy, using_sampler
+
+        vstarts = grpo.all_starts(tasks, nv, split="eval")
+        sampler = hydra.utils.instantiate(cfg.eval_sampler) if cfg.get("eval_sampler") else None
+        venv = _get_eval_env()
+        for tag, ck in (("before", bc_ckpt), ("after", grpo_ckpt)):
+            pol, _ = load_policy(ck, cfg.device)
+            pol.eval()
+            with using_sampler(pol, sampler):
+                videos += record_videos(venv, pol, vstarts, int(cfg.evaluation.max_chunks), out / "videos", tag,
+                                        camera=str(cfg.videos.camera), seed=seed)
+    per_task = {t: {"before": before["per_task"][t]["success"], "before_ci95": before["per_task"][t]["ci95"],
+                    "after": after["per_task"][t]["success"], "after_ci95": after["per_task"][t]["ci95"],
+                    "gain": after["per_task"][t]["success"] - before["per_task"][t]["success"]} for t in task_list}
+    report: dict[str, Any] = {
+        "preset": cfg.get("preset"),
+        "seed": seed,
+        "tasks": task_list,
+        "episodes_per_task": int(cfg.evaluation.episodes_per_task),
+        "stages": {k: {"wall_time_s": v} for k, v in stages.wall.items()},
+        "total_wall_time_s": round(time.time() - t_start, 3),
+        "before": {"success": before["success"], "ci95": before["ci95"]},
+        "after": {"success": after["success"], "ci95": after["ci95"]},
+        "success_gain": after["success"] - before["success"],
+        "per_task": per_task,
+        "grpo": {"iterations": grep.get("iterations"), "mitigations": grep.get("mitigations"),
+                 "imagined_success_first": (grep.get("history") or [{}])[0].get("success_rate"),
+                 "imagined_success_last": (grep.get("history") or [{}])[-1].get("success_rate")},
+        "checkpoints": {"bc": str(bc_ckpt), "worldmodel": str(wm_ckpt), "critic": str(critic_ckpt),
+                        "grpo": str(grpo_ckpt)},
+        "plots": plots,
+        "videos": videos,
+    }
+    log.info("success before %.3f -> after %.3f (gain %+.3f)", before["success"], after["success"], report["success_gain"])
+    return report
+
+
+@hydra.main(version_base="1.3", config_path="pkg://configs", config_name="pipeline")
+def main(cfg: DictConfig) -> None:
+    ctx = RunContext(cfg)
+    ctx.finish(run(cfg, ctx))
+
+
+if __name__ == "__main__":
+    main()

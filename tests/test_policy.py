@@ -170,3 +170,27 @@ def test_bc_follows_instruction_checkpoint_roundtrip_and_resume(tmp_path):
                                    batch["actions"])
     loss, _ = p.loss(batch, generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(loss) and float(loss.detach()) < 100
+
+
+def test_train_policy_entry_point(tmp_path):
+    from hydra import compose, initialize_config_module
+
+    from wmrl.run import train_policy
+    from wmrl.run.common import RunContext
+
+    toy_store(tmp_path / "store", n_eps=4, T=10)
+    with initialize_config_module("configs", version_base="1.3"):
+        cfg = compose("train_policy", overrides=[f"store={tmp_path / 'store'}", "policy=tiny", "steps=6",
+                                                 "train.log_every=2", "val_every_nth_episode=2", "num_threads=1"])
+    ctx = RunContext(cfg, out_dir=tmp_path / "run")
+    rep = train_policy.run(cfg, ctx)
+    assert rep["steps"] == 6 and rep["train_episodes"] == 2 and rep["val_episodes"] == 2
+    assert rep["tasks"] == ["toy_a", "toy_b"]
+    pol = load_checkpoint(tmp_path / "run" / "checkpoints" / "last")
+    assert pol.cameras == [CAM] and pol.image_size == [16, 16] and pol.chunk_size == 4
+    assert pol.sample(obs(b=2)).actions.shape == (2, 4, 7)
+    with initialize_config_module("configs", version_base="1.3"):
+        bad = compose("train_policy", overrides=[f"store={tmp_path / 'store'}", "policy=tiny",
+                                                 "policy.cameras=[robot0_eye_in_hand]"])
+    with pytest.raises(ValueError, match="not in the store"):
+        train_policy.run(bad, RunContext(bad, out_dir=tmp_path / "bad"))

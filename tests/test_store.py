@@ -387,3 +387,56 @@ def test_stats_from_store(tmp_path):
     np.testing.assert_allclose(st.stats["actions"]["mean"], acts.mean(0), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(st.stats["actions"]["q99"], np.quantile(acts, 0.99, axis=0), rtol=1e-5, atol=1e-6)
     assert st.dim("proprio") == 9 and st.count["actions"] == 13
+
+
+def test_concurrent_appenders_are_serialised(tmp_path):
+    """Separate store objects in separate threads (each lock is its own open file, as in separate
+    processes) append at once; the append lock serialises them."""
+    import threading
+
+    s, eps, cams = _make_two(tmp_path)
+    errors = []
+
+    def worker(T):
+        try:
+            EpisodeStore.open(s.path, mode="a", durable=False).append(random_episode(T, cams, seed=T))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(T,)) for T in (30, 40, 50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    r = EpisodeStore.open(s.path)
+    assert len(r) == 5
+    assert r.lengths[:2].tolist() == [7, 4] and sorted(r.lengths[2:].tolist()) == [30, 40, 50]
+    for i in range(5):
+        assert r.episode(i).length == r.lengths[i]
+    assert sorted(p.name for p in (s.path / "episodes").iterdir() if p.is_dir()) == [f"ep_{i:06d}" for i in range(5)]
+
+
+def test_image_free_store_and_success_flag(tmp_path):
+    s = EpisodeStore.create(tmp_path / "s", cameras={}, state_dim=3, action_dim=2, fps=10,
+                            action_space=ActionSpace(dim=2, controller="JOINT_VELOCITY"), durable=False)
+    e = random_episode(4, {}, state_dim=3, action_dim=2)
+    assert s.append(e) == 0
+    assert s.episode(0).images == {}
+    w = s.window(0, 3, n_obs=2, horizon=2)
+    assert w["images"] == {} and w["action_pad"].tolist() == [False, True]
+    ds = WindowDataset(s, n_obs=2, horizon=2)
+    assert ds.get_batch([0, 3])["actions"].shape == (2, 2, 2)
+    e.success = "yes"
+    with pytest.raises(EpisodeValidationError, match="success"):
+        s.append(e)
+    assert len(s) == 1
+
+
+def test_missing_episode_group_is_reported(store):
+    store.append(random_episode(3, CAMS))
+    import shutil
+
+    shutil.rmtree(store.path / "episodes" / "ep_000000")
+    with pytest.raises(StoreFormatError, match="missing on disk"):
+        EpisodeStore.open(store.path).episode(0)

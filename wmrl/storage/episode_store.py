@@ -59,6 +59,18 @@ def _first_bad_step(x: np.ndarray) -> int:
     return int(np.argwhere(bad)[0][0])
 
 
+def _fsync_tree(path: Path) -> None:
+    """fsync every file and folder under ``path`` (data on disk before the index names it)."""
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(root))
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -88,11 +100,12 @@ class EpisodeStore:
     All subclass ``ValueError``.
     """
 
-    def __init__(self, path: Path, mode: Literal["r", "a"], _token: object = None):
+    def __init__(self, path: Path, mode: Literal["r", "a"], _token: object = None, durable: bool = True):
         if _token is not _OPEN_TOKEN:
             raise TypeError("use EpisodeStore.create(...) or EpisodeStore.open(...)")
         self.path = Path(path)
         self.mode = mode
+        self.durable = bool(durable)
         self._root = zarr.open_group(str(self.path), mode="r" if mode == "r" else "r+")
         meta = self._root.attrs.get(_META_ATTR)
         if not isinstance(meta, dict):
@@ -114,7 +127,8 @@ class EpisodeStore:
     @classmethod
     def create(cls, path: str | os.PathLike, cameras: Mapping[str, tuple[int, int]], state_dim: int,
                action_dim: int, fps: float, action_space: ActionSpace | Mapping, embodiment: str = "",
-               source: str = "", info: Mapping | None = None, overwrite: bool = False) -> "EpisodeStore":
+               source: str = "", info: Mapping | None = None, overwrite: bool = False,
+               durable: bool = True) -> "EpisodeStore":
         """Create an empty store (opened in mode ``"a"``).
 
         Args:
@@ -126,6 +140,8 @@ class EpisodeStore:
             embodiment, source: free strings recorded in the metadata.
             info: extra JSON metadata.
             overwrite: replace an existing folder at ``path`` (otherwise :class:`StoreError`).
+            durable: fsync each episode's files before committing it, so that a committed
+                episode also survives a power loss (process kills are survived either way).
         """
         path = Path(path)
         if isinstance(action_space, Mapping):
@@ -171,11 +187,12 @@ class EpisodeStore:
         root.create_group("episodes")
         root.attrs[_META_ATTR] = meta
         _write_index(path, [])
-        return cls(path, "a", _OPEN_TOKEN)
+        return cls(path, "a", _OPEN_TOKEN, durable=durable)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, mode: Literal["r", "a"] = "r") -> "EpisodeStore":
-        """Open an existing store for reading (``"r"``) or appending (``"a"``)."""
+    def open(cls, path: str | os.PathLike, mode: Literal["r", "a"] = "r", durable: bool = True) -> "EpisodeStore":
+        """Open an existing store for reading (``"r"``) or appending (``"a"``; ``durable`` as in
+        :meth:`create`)."""
         path = Path(path)
         if mode not in ("r", "a"):
             raise StoreError(f"mode must be 'r' or 'a', got {mode!r}")
@@ -183,7 +200,7 @@ class EpisodeStore:
             raise StoreError(f"no EpisodeStore at {path} (folder missing); create one with EpisodeStore.create")
         if not (path / "zarr.json").is_file():
             raise StoreFormatError(f"{path} is not an EpisodeStore (no zarr.json)")
-        return cls(path, mode, _OPEN_TOKEN)
+        return cls(path, mode, _OPEN_TOKEN, durable=durable)
 
     @classmethod
     def open_or_create(cls, path: str | os.PathLike, **create_kwargs: Any) -> "EpisodeStore":
@@ -192,7 +209,7 @@ class EpisodeStore:
         path = Path(path)
         if not path.exists():
             return cls.create(path, **create_kwargs)
-        store = cls.open(path, mode="a")
+        store = cls.open(path, mode="a", durable=create_kwargs.get("durable", True))
         want = {
             "cameras": {k: [int(v) for v in hw] for k, hw in dict(create_kwargs.get("cameras", {})).items()},
             "state_dim": int(create_kwargs.get("state_dim", store.state_dim)),
@@ -286,6 +303,8 @@ class EpisodeStore:
             if ep_dir.exists():  # orphan of a killed append: never indexed, nobody reads it
                 shutil.rmtree(ep_dir)
             self._write_episode_group(f"episodes/{name}", episode)
+            if self.durable:
+                _fsync_tree(ep_dir)
             entry = {
                 "name": name,
                 "length": int(episode.length),
@@ -333,6 +352,8 @@ class EpisodeStore:
         for p in ep_root.iterdir():
             if p.is_dir() and p.name.startswith("ep_") and p.name not in names:
                 shutil.rmtree(p, ignore_errors=True)
+        for p in self.path.glob(f".{INDEX_FILE}.tmp-*"):  # temp index of a writer killed mid-commit
+            p.unlink(missing_ok=True)
 
     @contextlib.contextmanager
     def _append_lock(self):
@@ -555,6 +576,8 @@ def _validate_episode(ep: Episode, meta: dict, index: int | None) -> None:
             raise err(f"must have leading dim T={T}, got shape {a.shape}", f"extras/{k}")
         if a.dtype.kind not in "fiub":
             raise err(f"must hold numbers or bools, got dtype {a.dtype}", f"extras/{k}")
+    if not isinstance(ep.success, (bool, np.bool_)) and ep.success not in (0, 1):
+        raise err(f"must be a bool, got {ep.success!r}", "success")
     for name, val in (("instruction", ep.instruction), ("task_name", ep.task_name)):
         if not isinstance(val, str):
             raise err(f"must be a str, got {type(val).__name__}", name)

@@ -1,0 +1,72 @@
+"""Scripted-expert episodes from the training init states, as ``wmrl.types.Episode`` objects."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from sim.env import TaskEnv
+from sim.expert import ScriptedExpert
+from sim.suite import Suite, collect_seed
+from wmrl.types import Episode
+
+
+def collect_episode(env: TaskEnv, suite: Suite, task: str, i: int, noise: float, seed: int) -> Episode:
+    """Run the scripted expert on training init state ``i % N_train`` of ``task``.
+
+    Returns an ``Episode`` with ``T`` steps: images ``uint8 (T, 3, Hi, Wi)`` per camera, proprio
+    ``float32 (T, 9)``, actions ``float32 (T, 7)``, rewards ``float32 (T,)``, sim_states
+    ``float64 (T, 1 + nq + nv)`` (state before each action), and ``info`` = task, init_index,
+    split="train", seed, noise, failure ("" / "timeout" / "dropped").
+    """
+    start = suite.train_start(task, i)
+    spec = suite.task(task)
+    ep_seed = collect_seed(seed, task, i)
+    env.reset(spec, suite.init_state(task, "train", start.init_index))
+    expert = ScriptedExpert(spec, noise, ep_seed)
+    imgs = {c: [] for c in env.cameras}
+    prop, acts, rews, states = [], [], [], []
+    success = terminated = False
+    while True:
+        o = env.observe()
+        for c in env.cameras:
+            imgs[c].append(o["images"][c])
+        prop.append(o["proprio"])
+        states.append(env.sim_state())
+        a = expert.act(env.privileged())
+        r, success, terminated, truncated = env.step(a)
+        acts.append(a)
+        rews.append(r)
+        if terminated or truncated:
+            break
+    failure = "" if success else ("dropped" if terminated else "timeout")
+    return Episode(
+        images={c: np.stack(v) for c, v in imgs.items()},
+        proprio=np.stack(prop).astype(np.float32),
+        actions=np.stack(acts).astype(np.float32),
+        rewards=np.asarray(rews, np.float32),
+        success=bool(success),
+        instruction=spec.instruction,
+        task_name=task,
+        sim_states=np.stack(states),
+        info={"task": task, "init_index": int(start.init_index), "split": "train", "seed": int(ep_seed),
+              "noise": float(noise), "failure": failure, "source": "scripted", "suite": suite.name},
+    )
+
+
+def collect_episodes(suite: Suite, episodes_per_task: int, noise: float = 0.0, seed: int = 0,
+                     tasks: Sequence[str] | None = None, start_index: int = 0) -> Iterator[Episode]:
+    """Yield ``episodes_per_task`` expert episodes per task (task-major order), including failed
+    ones (the critic needs them). Episode ``i`` of a task always uses train init state
+    ``i % N_train`` and seed ``collect_seed(seed, task, i)``; ``start_index`` skips the first ones
+    (to continue a collection)."""
+    if episodes_per_task < 0:
+        raise ValueError(f"episodes_per_task must be >= 0, got {episodes_per_task}")
+    envs: dict[str, TaskEnv] = {}
+    for task in (tasks or suite.task_names):
+        scene = suite.task(task).scene
+        if scene not in envs:
+            envs[scene] = TaskEnv(scene, suite.cameras, suite.image_size, suite.render)
+        for i in range(start_index, episodes_per_task):
+            yield collect_episode(envs[scene], suite, task, i, noise, seed)

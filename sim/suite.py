@@ -1,0 +1,122 @@
+"""The LIBERO-style task suite: which tasks, their init states, and how observations are made.
+
+Build it from Hydra (``configs/suite/default.yaml`` has ``_target_: sim.suite.Suite``)::
+
+    suite = Suite(tasks=["lift_red", "push_red_to_target"], image_size=(64, 64))
+    env = suite.make_env(num_envs=4)                      # SimEnv (a ChunkEnv)
+    obs = env.reset([suite.eval_start("lift_red", j) for j in range(4)])
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Sequence
+
+import numpy as np
+
+from sim import init_states as _init
+from sim.render import RenderSettings
+from sim.tasks import TASKS, TaskSpec, get_task
+from wmrl.types import AGENTVIEW, EYE_IN_HAND, PANDA_OSC_POSE, ActionSpace, Start
+
+DEFAULT_TASKS = ("lift_red", "lift_green", "stack_red_on_green", "push_red_to_target")
+
+
+class Suite:
+    """A set of tasks with stored init states and the observation settings of its environments.
+
+    Args:
+        tasks: task names (default: all four; see ``sim.tasks.TASKS``).
+        cameras: observation cameras (``agentview``, ``robot0_eye_in_hand``); may be empty.
+        image_size: ``(Hi, Wi)`` of observation images (64 x 64 by default).
+        render: render effects, a dict of ``sim.render.RenderSettings`` fields.
+        init_states_path: ``.npz`` of init states (default: the packaged ``sim/data/init_states.npz``).
+        name: suite name for reports.
+
+    Raises:
+        ValueError: unknown task, empty task list, bad image size, unknown render setting.
+    """
+
+    fps = 20
+    action_space: ActionSpace = PANDA_OSC_POSE
+    state_dim = 9
+
+    def __init__(self, tasks: Sequence[str] | None = None, cameras: Sequence[str] = (AGENTVIEW, EYE_IN_HAND),
+                 image_size: Sequence[int] = (64, 64), render: dict | None = None,
+                 init_states_path: str | None = None, name: str = "default"):
+        names = list(tasks) if tasks is not None else list(DEFAULT_TASKS)
+        if not names:
+            raise ValueError("a suite needs at least one task")
+        self.tasks: list[TaskSpec] = [get_task(t) for t in names]
+        self.cameras = tuple(str(c) for c in cameras)
+        for c in self.cameras:
+            if c not in (AGENTVIEW, EYE_IN_HAND):
+                raise ValueError(f"unknown camera {c!r}; this suite has {AGENTVIEW!r} and {EYE_IN_HAND!r}")
+        if len(image_size) != 2 or min(int(x) for x in image_size) < 8 or max(int(x) for x in image_size) > 1024:
+            raise ValueError(f"image_size must be (Hi, Wi) between 8 and 1024 pixels, got {list(image_size)}")
+        self.image_size = (int(image_size[0]), int(image_size[1]))
+        self.render = RenderSettings.from_any(render)
+        self.init_states_path = str(init_states_path) if init_states_path else None
+        self.name = name
+
+    # ------------------------------------------------------------------ tasks
+    @property
+    def task_names(self) -> list[str]:
+        return [t.name for t in self.tasks]
+
+    def task(self, name: str) -> TaskSpec:
+        if name not in self.task_names:
+            raise ValueError(f"task {name!r} is not in suite {self.name!r} (tasks: {self.task_names})")
+        return get_task(name)
+
+    def instruction(self, name: str) -> str:
+        return self.task(name).instruction
+
+    # ------------------------------------------------------------------ init states
+    def num_init_states(self, task: str, split: str) -> int:
+        return _init.count(self.task(task).scene, split, self.init_states_path)
+
+    def init_state(self, task: str, split: str, index: int) -> np.ndarray:
+        """Flattened MuJoCo init state ``float64 (1 + nq + nv,)`` (a copy)."""
+        return _init.get(self.task(task).scene, split, index, self.init_states_path)
+
+    def eval_start(self, task: str, j: int) -> Start:
+        """Evaluation episode ``j`` of ``task`` starts from eval init state ``j % 50``."""
+        n = self.num_init_states(task, "eval")
+        return Start(task_name=task, instruction=self.instruction(task), init_index=int(j) % n, split="eval")
+
+    def train_start(self, task: str, i: int) -> Start:
+        """Training episode ``i`` of ``task`` starts from train init state ``i % N_train``."""
+        n = self.num_init_states(task, "train")
+        return Start(task_name=task, instruction=self.instruction(task), init_index=int(i) % n, split="train")
+
+    # ------------------------------------------------------------------ factories
+    def make_env(self, num_envs: int, auto_reset: bool = True, next_start=None, device="cpu",
+                 cameras: Sequence[str] | None = None):
+        """A ``SimEnv`` with this suite's observation settings (``cameras`` overrides them)."""
+        from sim.env import SimEnv
+
+        return SimEnv(num_envs, self.init_state, cameras=self.cameras if cameras is None else tuple(cameras),
+                      image_size=self.image_size, render=self.render, auto_reset=auto_reset,
+                      next_start=next_start, device=device)
+
+    def make_expert(self, noise: float = 0.0):
+        """The scripted experts as an evaluation actor (``sim.expert.ExpertActor``)."""
+        from sim.expert import ExpertActor
+
+        return ExpertActor(noise)
+
+    def describe(self) -> dict:
+        """JSON-able description for reports and store metadata."""
+        return {"name": self.name, "tasks": {t.name: {"instruction": t.instruction, "scene": t.scene,
+                                                      "max_steps": t.max_steps} for t in self.tasks},
+                "cameras": list(self.cameras), "image_size": list(self.image_size),
+                "render": dict(self.render.__dict__), "fps": self.fps}
+
+
+def collect_seed(seed: int, task: str, i: int) -> int:
+    """Seed of collected (training) episode ``i`` of ``task``: independent of everything else."""
+    return int(np.random.SeedSequence([int(seed), zlib.crc32(task.encode()), int(i), 7]).generate_state(1)[0])
+
+
+__all__ = ["Suite", "DEFAULT_TASKS", "TASKS", "collect_seed"]

@@ -1,0 +1,103 @@
+"""The tasks of the Panda tabletop suite: instruction, scene, success predicate, step limit and
+how init-state layouts are sampled (LIBERO's task = scene + language goal + init states).
+
+All tasks of a scene share the scene's init states (as in LIBERO-Goal), so in ``two_cubes`` the
+same picture can ask for ``lift_red``, ``lift_green`` or ``stack_red_on_green``: only the
+instruction tells them apart.
+
+Positions are in the world frame, metres; the table top is at ``z = 0.8``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.scenes import GREEN_HALF, RED_HALF, TABLE_TOP, TARGET_RADIUS
+
+LIFT_HEIGHT = 0.05  # m the cube's centre must rise above its resting height
+FALL_Z = TABLE_TOP - 0.05  # below this an object has left the table: failure
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task of the suite.
+
+    Attributes:
+        name: task id (``lift_red``...).
+        scene: scene name (``sim.scenes.SCENES``).
+        instruction: the language instruction.
+        max_steps: step limit (control steps at 20 Hz); reaching it truncates the episode.
+        kind: ``"lift"``, ``"stack"`` or ``"push"`` (selects predicate and scripted expert).
+        obj: the object to move (``"red"`` / ``"green"``); ``goal``: the other object or target.
+    """
+
+    name: str
+    scene: str
+    instruction: str
+    max_steps: int
+    kind: str
+    obj: str
+    goal: str | None = None
+
+    def success(self, s: dict) -> bool:
+        """Success predicate on a privileged state ``s`` (see ``TaskEnv.privileged``)."""
+        p = s["objects"][self.obj]["pos"]
+        if self.kind == "lift":
+            half = RED_HALF if self.obj == "red" else GREEN_HALF
+            return bool(p[2] > TABLE_TOP + half + LIFT_HEIGHT)
+        if self.kind == "stack":
+            g = s["objects"][self.goal]["pos"]
+            on_top = abs(p[2] - (g[2] + GREEN_HALF + RED_HALF)) < 0.01
+            centred = np.linalg.norm(p[:2] - g[:2]) < GREEN_HALF
+            return bool(on_top and centred and s["contact"][f"{self.obj}_{self.goal}"]
+                        and not s["grasped"][self.obj])
+        if self.kind == "push":
+            g = s["objects"][self.goal]["pos"]
+            return bool(np.linalg.norm(p[:2] - g[:2]) < TARGET_RADIUS - RED_HALF
+                        and p[2] < TABLE_TOP + RED_HALF + 0.01)
+        raise ValueError(f"unknown task kind {self.kind!r}")
+
+    def failed(self, s: dict) -> bool:
+        """Failure termination: an object fell off the table."""
+        return any(o["pos"][2] < FALL_Z for k, o in s["objects"].items() if k != "target")
+
+
+TASKS: dict[str, TaskSpec] = {t.name: t for t in (
+    TaskSpec("lift_red", "two_cubes", "lift the red cube", 100, "lift", "red"),
+    TaskSpec("lift_green", "two_cubes", "lift the green cube", 100, "lift", "green"),
+    TaskSpec("stack_red_on_green", "two_cubes", "stack the red cube on the green cube", 160, "stack", "red", "green"),
+    TaskSpec("push_red_to_target", "cube_target", "push the red cube onto the green target", 150, "push", "red", "target"),
+)}
+
+
+def get_task(name: str) -> TaskSpec:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+    return TASKS[name]
+
+
+def sample_layout(scene: str, rng: np.random.Generator) -> dict[str, tuple[float, float, float]]:
+    """Object layout ``{name: (x, y, yaw)}`` of one init state (world frame, m / rad).
+
+    ``two_cubes``: both cubes in a 24 x 36 cm area in front of the robot, centres at least 9 cm
+    apart, yaw within +-30 deg. ``cube_target``: cube as above; target centre 12-20 cm from the cube,
+    inside the reachable area.
+    """
+    def cube():
+        return (rng.uniform(-0.10, 0.12), rng.uniform(-0.18, 0.18), rng.uniform(-np.pi / 6, np.pi / 6))
+
+    if scene == "two_cubes":
+        while True:
+            r, g = cube(), cube()
+            if np.hypot(r[0] - g[0], r[1] - g[1]) >= 0.09:
+                return {"red": r, "green": g}
+    if scene == "cube_target":
+        while True:
+            r = cube()
+            d, a = rng.uniform(0.12, 0.20), rng.uniform(-np.pi, np.pi)
+            tx, ty = r[0] + d * np.cos(a), r[1] + d * np.sin(a)
+            if -0.14 <= tx <= 0.16 and -0.2 <= ty <= 0.2:
+                return {"red": r, "target": (tx, ty, 0.0)}
+    raise ValueError(f"unknown scene {scene!r}")

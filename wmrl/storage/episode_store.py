@@ -312,14 +312,23 @@ class EpisodeStore:
                 "task_name": str(episode.task_name),
                 "instruction": str(episode.instruction),
             }
-            _write_index(self.path, index + [entry])
+            _write_index(self.path, index + [entry], durable=self.durable)
             self._index = index + [entry]
             self._clean_orphans()
         return i
 
     def _write_episode_group(self, group_path: str, ep: Episode) -> None:
-        g = self._root.create_group(group_path)
         T = ep.length
+        # attributes go in with the group: one zarr.json write instead of one per key
+        g = self._root.create_group(group_path, attributes={
+            "success": bool(ep.success),
+            "instruction": str(ep.instruction),
+            "task_name": str(ep.task_name),
+            "info": ep.info or {},
+            "length": int(T),
+            "extras": sorted(ep.extras or {}),
+            "has_sim_states": ep.sim_states is not None,
+        })
         img_comp = [ZstdCodec(level=1)]
         if self._meta["cameras"]:
             ig = g.create_group("images")
@@ -336,15 +345,6 @@ class EpisodeStore:
             xg = g.create_group("extras")
             for k, v in ep.extras.items():
                 xg.create_array(k, data=np.ascontiguousarray(np.asarray(v)))
-        g.attrs.update({
-            "success": bool(ep.success),
-            "instruction": str(ep.instruction),
-            "task_name": str(ep.task_name),
-            "info": ep.info or {},
-            "length": int(T),
-            "extras": sorted(ep.extras or {}),
-            "has_sim_states": ep.sim_states is not None,
-        })
 
     def _clean_orphans(self) -> None:
         names = {e["name"] for e in self._index}
@@ -370,6 +370,8 @@ class EpisodeStore:
         if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
             raise StoreError(f"episode index must be an int, got {type(i).__name__}")
         i = int(i)
+        if i >= n and self.mode == "r":  # committed by a writer since we last looked?
+            n = len(self.refresh())
         if i < 0:
             i += n
         if not 0 <= i < n:
@@ -452,11 +454,14 @@ class EpisodeStore:
                    episode=i, step=int(t), length=T)
         return out
 
-    def stats(self, keys: tuple[str, ...] = ("proprio", "actions")) -> NormStats:
-        """Normalisation statistics over all steps of all episodes (see :class:`NormStats`)."""
-        if len(self) == 0:
-            raise StoreError(f"{self.path} holds no episodes; cannot compute normalisation statistics")
-        data = {k: np.concatenate([self.array(i, k) for i in range(len(self))]) for k in keys}
+    def stats(self, keys: tuple[str, ...] = ("proprio", "actions"),
+              episodes: list[int] | None = None) -> NormStats:
+        """Normalisation statistics over all steps of ``episodes`` (default all; pass the training
+        split to keep validation episodes out), per key (see :class:`NormStats`)."""
+        idx = list(range(len(self))) if episodes is None else [self._check_index(i) for i in episodes]
+        if not idx:
+            raise StoreError(f"{self.path}: no episodes selected; cannot compute normalisation statistics")
+        data = {k: np.concatenate([self.array(i, k) for i in idx]) for k in keys}
         return NormStats.from_data(data)
 
 
@@ -487,6 +492,9 @@ def _read_index(path: Path) -> list[dict]:
         raise StoreFormatError(f"{path}: missing {INDEX_FILE}; not an EpisodeStore or a corrupt one")
     try:
         d = json.loads(p.read_text())
+        if d.get("format_version") not in SUPPORTED_FORMAT_VERSIONS:
+            raise StoreFormatError(f"{p}: unknown EpisodeStore format_version {d.get('format_version')!r}; "
+                                   f"this wmrl reads versions {list(SUPPORTED_FORMAT_VERSIONS)}")
         eps = d["episodes"]
         for e in eps:
             e["name"], e["length"]  # noqa: B018 - presence check
@@ -495,16 +503,19 @@ def _read_index(path: Path) -> list[dict]:
     return eps
 
 
-def _write_index(path: Path, episodes: list[dict]) -> None:
-    """Atomically replace ``index.json`` (write temp file, fsync, os.replace, fsync the folder)."""
+def _write_index(path: Path, episodes: list[dict], durable: bool = True) -> None:
+    """Atomically replace ``index.json`` (write a temp file, fsync it if ``durable``, os.replace,
+    fsync the folder if ``durable``). os.replace alone is atomic for readers and process kills."""
     tmp = path / f".{INDEX_FILE}.tmp-{os.getpid()}"
     data = json.dumps({"format_version": FORMAT_VERSION, "episodes": episodes}, indent=1)
     with open(tmp, "w") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path / INDEX_FILE)
-    _fsync_dir(path)
+    if durable:
+        _fsync_dir(path)
 
 
 # ---------------------------------------------------------------------- validation

@@ -88,3 +88,12 @@ def test_bad_checkpoints_give_clear_errors(tmp_path):
         save_checkpoint(m, tmp_path / "x", {"in_features": object()})
     with pytest.raises(CheckpointError, match="nn.Module"):
         save_checkpoint(object(), tmp_path / "x", {})
+
+
+def test_non_contiguous_parameters_round_trip(tmp_path):
+    m = nn.Linear(4, 3)
+    with torch.no_grad():
+        m.weight = nn.Parameter(torch.randn(4, 3).t())  # a transposed (non-contiguous) view
+    assert not m.weight.is_contiguous()
+    save_checkpoint(m, tmp_path / "c", {"in_features": 4, "out_features": 3})
+    assert torch.equal(load_checkpoint(tmp_path / "c").weight, m.weight)

@@ -100,3 +100,17 @@ def test_normalizer_buffers_travel_in_state_dict():
     b.load_state_dict(a.state_dict())
     x = torch.randn(3, 7)
     assert torch.equal(a.normalize("actions", x), b.normalize("actions", x))
+
+
+@pytest.mark.parametrize("mode", ["mean_std", "quantile"])
+def test_near_constant_dims_do_not_blow_up(mode):
+    rng = np.random.default_rng(3)
+    x = np.zeros((200, 3), np.float32)
+    x[:, 0] = rng.standard_normal(200)
+    x[:, 1] = 0.25 + 1e-7 * rng.standard_normal(200)  # float jitter around a constant
+    x[:, 2] = -3.0
+    st = NormStats.from_data({"proprio": x})
+    y = st.normalize("proprio", x, mode=mode)
+    assert np.abs(y[:, 1:]).max() < 1e-3  # treated as constant: maps to ~0, not to +-1e3
+    np.testing.assert_allclose(st.unnormalize("proprio", y, mode=mode), x, atol=1e-5)
+    np.testing.assert_allclose(st.unnormalize("proprio", np.ones((1, 3)), mode=mode)[0, 1:], [1.25, -2.0], atol=1e-5)

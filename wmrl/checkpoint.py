@@ -95,7 +95,7 @@ def save_checkpoint(obj: nn.Module, folder: str | os.PathLike, config: Any,
     tmp.mkdir()
     try:
         (tmp / CONFIG_FILE).write_text(yaml_text)
-        save_model(obj, str(tmp / WEIGHTS_FILE))
+        save_model(obj, str(tmp / WEIGHTS_FILE), force_contiguous=True)  # tied weights saved once
         if extra_tensors:
             save_file({k: v.detach().contiguous().cpu() for k, v in extra_tensors.items()}, str(tmp / EXTRA_FILE))
         if meta_text is not None:

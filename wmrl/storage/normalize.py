@@ -8,7 +8,7 @@ quantile normalisation (``q01..q99 -> -1..1``):
   ``q01 -> -1`` and ``q99 -> +1`` (values outside the 1..99 % range map outside [-1, 1]; nothing is
   clipped).
 
-A dimension whose scale (``std`` or ``r``) is below ``eps`` (e.g. rotation dims 3 and 4 of the
+A dimension whose scale (``std`` or ``r``) is below ``eps = 1e-4`` (e.g. rotation dims 3 and 4 of the
 robosuite lift demos, exactly 0 in every step) uses scale 1: it maps ``x -> x - centre`` (0 for the
 constant value) and back to the constant, never NaN or inf.
 
@@ -32,7 +32,7 @@ from wmrl.storage.errors import MissingStatsError
 
 STAT_NAMES = ("mean", "std", "min", "max", "q01", "q99")
 Mode = Literal["mean_std", "quantile"]
-EPS = 1e-6
+EPS = 1e-4  # Diffusion Policy's range_eps (normalizer.py): scales below it count as constant
 
 
 def _scale_centre(s: Mapping[str, np.ndarray], mode: str, eps: float) -> tuple[np.ndarray, np.ndarray]:

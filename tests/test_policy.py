@@ -194,3 +194,18 @@ def test_train_policy_entry_point(tmp_path):
                                                  "policy.cameras=[robot0_eye_in_hand]"])
     with pytest.raises(ValueError, match="not in the store"):
         train_policy.run(bad, RunContext(bad, out_dir=tmp_path / "bad"))
+
+
+def test_bench_policy_reports_figures(tmp_path):
+    from hydra import compose, initialize_config_module
+
+    from wmrl.run import bench_policy
+    from wmrl.run.common import RunContext
+
+    with initialize_config_module("configs", version_base="1.3"):
+        cfg = compose("bench_policy", overrides=["policy=tiny", "inference_runs=2", "train_steps=2", "batch_size=4",
+                                                 "image_size=[16,16]", "cameras=[agentview]"])
+    rep = bench_policy.run(cfg, RunContext(cfg, out_dir=tmp_path))
+    for k in ("ode", "sde"):
+        assert rep["inference_ms"][k]["median"] > 0 and rep["inference_ms"][k]["num_steps"] == 4
+    assert rep["bc"]["samples_per_s"] > 0 and rep["bc"]["estimated_bc_minutes"] > 0

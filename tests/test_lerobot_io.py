@@ -1,0 +1,189 @@
+"""LeRobotDataset v3 export/import through lerobot: offline loading with LeRobotDataset, exact
+round trip of images/proprio/actions/rewards/sim states, clear errors for unknown versions and
+undeclared action spaces, and the lift acceptance round trip (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from wmrl.run.common import RunContext
+from wmrl.types import PANDA_OSC_POSE, Episode
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+CAMS = {"agentview": (12, 10), "robot0_eye_in_hand": (12, 10)}
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def cfg_of(name: str, **kw):
+    base = OmegaConf.load(CONFIGS / f"{name}.yaml")
+    base.pop("defaults", None)
+    return OmegaConf.merge(base, {"num_threads": 1, "seed": 0, "progress": False, **kw})
+
+
+def make_store(path: Path, lengths=(5, 7), sim_states=True):
+    from wmrl.storage import EpisodeStore
+
+    rng = np.random.default_rng(0)
+    store = EpisodeStore.create(path, cameras=CAMS, state_dim=9, action_dim=7, fps=20,
+                                action_space=PANDA_OSC_POSE, embodiment="panda", source="unit-test")
+    for k, T in enumerate(lengths):
+        store.append(Episode(
+            images={c: rng.integers(0, 256, (T, 3, *hw), dtype=np.uint8) for c, hw in CAMS.items()},
+            proprio=rng.normal(size=(T, 9)).astype(np.float32),
+            actions=rng.uniform(-1, 1, size=(T, 7)).astype(np.float32),
+            rewards=rng.normal(size=T).astype(np.float32),
+            success=(k % 2 == 0), instruction=f"instruction {k}", task_name=f"task_{k}",
+            sim_states=rng.normal(size=(T, 32)) if sim_states else None, info={"k": k}))
+    return store
+
+
+def assert_same_episodes(a, b):
+    assert len(a) == len(b) and list(a.lengths) == list(b.lengths)
+    for i in range(len(a)):
+        x, y = a.episode(i), b.episode(i)
+        assert set(x.images) == set(y.images)
+        for c in x.images:
+            np.testing.assert_array_equal(x.images[c], y.images[c])
+        np.testing.assert_array_equal(x.proprio, y.proprio)
+        np.testing.assert_array_equal(x.actions, y.actions)
+        np.testing.assert_array_equal(x.rewards, y.rewards)
+        if x.sim_states is None:
+            assert y.sim_states is None
+        else:
+            np.testing.assert_array_equal(x.sim_states, y.sim_states)
+        assert (x.success, x.instruction, x.task_name) == (y.success, y.instruction, y.task_name)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A small store and its LeRobot export (exported once for the module)."""
+    from wmrl.run.export_data import run
+
+    tmp = tmp_path_factory.mktemp("lerobot")
+    store = make_store(tmp / "store")
+    cfg = cfg_of("export", store=str(tmp / "store"), out=str(tmp / "ds"), repo_id="local/unit")
+    report = run(cfg, RunContext(cfg, out_dir=tmp / "run_export"))
+    return store, tmp / "ds", report
+
+
+def test_export_loads_offline_with_lerobot(exported):
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    store, folder, report = exported
+    assert report["episodes"] == 2 and report["frames"] == 12 and report["lengths"] == [5, 7]
+    assert report["verify"]["episodes"] == 2 and report["verify"]["codebase_version"] == "v3.0"
+    info = json.loads((folder / "meta" / "info.json").read_text())
+    assert info["codebase_version"] == "v3.0" and info["fps"] == 20 and info["robot_type"] == "panda"
+    assert info["features"]["observation.images.agentview"]["dtype"] == "image"
+    ds = LeRobotDataset("local/unit", root=folder)
+    assert ds.num_episodes == 2 and ds.num_frames == 12
+    item = ds[5]  # first frame of episode 1
+    ep1 = store.episode(1)
+    assert int(item["episode_index"]) == 1 and int(item["frame_index"]) == 0
+    np.testing.assert_array_equal(item["action"].numpy(), ep1.actions[0])
+    np.testing.assert_array_equal(item["observation.state"].numpy(), ep1.proprio[0])
+    img = item["observation.images.agentview"].numpy()  # float (3, H, W) in [0, 1]
+    np.testing.assert_array_equal(np.rint(img * 255).astype(np.uint8), ep1.images["agentview"][0])
+    assert item["task"] == "instruction 1"
+
+
+def test_roundtrip_through_import_is_exact(exported, tmp_path):
+    from wmrl.run.import_data import run
+    from wmrl.storage import EpisodeStore
+
+    store, folder, _ = exported
+    cfg = cfg_of("import", source=str(folder), out=str(tmp_path / "back"))
+    report = run(cfg, RunContext(cfg, out_dir=tmp_path / "run"))
+    assert report["format"] == "lerobot" and report["lengths"] == [5, 7]
+    back = EpisodeStore.open(tmp_path / "back")
+    assert_same_episodes(store, back)
+    m, n = store.meta, back.meta
+    for k in ("cameras", "state_dim", "action_dim", "fps", "action_space", "embodiment"):
+        assert m[k] == n[k], k
+    assert back.episode(0).info["k"] == 0
+
+
+def test_import_camera_subset_and_size_check(exported, tmp_path):
+    from wmrl.run.import_data import run
+    from wmrl.storage import EpisodeStore
+
+    _, folder, _ = exported
+    cfg = cfg_of("import", source=str(folder), out=str(tmp_path / "a"), cameras=["agentview"])
+    run(cfg, RunContext(cfg, out_dir=tmp_path / "r1"))
+    assert list(EpisodeStore.open(tmp_path / "a").meta["cameras"]) == ["agentview"]
+    cfg = cfg_of("import", source=str(folder), out=str(tmp_path / "b"), image_size=64)
+    with pytest.raises(ValueError, match="does not resize"):
+        run(cfg, RunContext(cfg, out_dir=tmp_path / "r2"))
+    assert not (tmp_path / "b").exists()
+
+
+def test_unknown_version_and_missing_action_space(exported, tmp_path):
+    from wmrl.storage.lerobot_io import LeRobotFormatError, inspect_lerobot
+
+    _, folder, _ = exported
+    old = tmp_path / "old"
+    shutil.copytree(folder, old)
+    info = json.loads((old / "meta" / "info.json").read_text())
+    info["codebase_version"] = "v2.1"
+    (old / "meta" / "info.json").write_text(json.dumps(info))
+    with pytest.raises(LeRobotFormatError, match=r"unknown LeRobotDataset format version 'v2.1'"):
+        inspect_lerobot(old)
+
+    foreign = tmp_path / "foreign"
+    shutil.copytree(folder, foreign)
+    (foreign / "meta" / "wmrl.json").unlink()
+    with pytest.raises(LeRobotFormatError, match="does not declare how its actions are read"):
+        inspect_lerobot(foreign)
+    src = inspect_lerobot(foreign, action_space={"controller": "OSC_POSE", "mode": "delta", "dim": 7})
+    from wmrl.storage.lerobot_io import read_lerobot
+
+    eps = list(read_lerobot(src, progress=False))
+    assert [e.length for e in eps] == [5, 7]
+    assert [e.success for e in eps] == [True, False]  # from next.success without wmrl.json
+    with pytest.raises(LeRobotFormatError, match="declares dim=4"):
+        inspect_lerobot(foreign, action_space={"controller": "OSC_POSITION", "dim": 4})
+
+
+def test_export_refuses_existing_out_and_keeps_it(exported, tmp_path):
+    from wmrl.storage.lerobot_io import LeRobotFormatError, export_lerobot
+
+    store, _, _ = exported
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    with pytest.raises(LeRobotFormatError, match="already exists"):
+        export_lerobot(store, out, repo_id="local/x", progress=False)
+    with pytest.raises(LeRobotFormatError, match="repo_id"):
+        export_lerobot(store, tmp_path / "new", repo_id="no-slash", progress=False)
+    assert (out / "keep").read_text() == "x" and not (tmp_path / "new").exists()
+
+
+@pytest.mark.slow
+def test_lift_store_export_import_roundtrip(shared_data, tmp_path):
+    """Acceptance: `wmrl import` lift demo.hdf5 -> `wmrl export` -> LeRobotDataset loads it offline ->
+    `wmrl import` of the folder gives the same arrays."""
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    from wmrl.run.export_data import run as export_run
+    from wmrl.run.import_data import run as import_run
+    from wmrl.storage import EpisodeStore
+
+    lift = shared_data / "robosuite_demos" / "rs1.4.1_lift_panda" / "demo.hdf5"
+    cfg = cfg_of("import", source=str(lift), out=str(tmp_path / "lift"))
+    import_run(cfg, RunContext(cfg, out_dir=tmp_path / "r1"))
+    cfg = cfg_of("export", store=str(tmp_path / "lift"), out=str(tmp_path / "lift_lr"), repo_id="local/lift")
+    rep = export_run(cfg, RunContext(cfg, out_dir=tmp_path / "r2"))
+    assert rep["lengths"] == [482, 510, 392]
+    ds = LeRobotDataset("local/lift", root=tmp_path / "lift_lr")
+    assert ds.num_episodes == 3 and ds.num_frames == 482 + 510 + 392
+    cfg = cfg_of("import", source=str(tmp_path / "lift_lr"), out=str(tmp_path / "lift_back"))
+    import_run(cfg, RunContext(cfg, out_dir=tmp_path / "r3"))
+    assert_same_episodes(EpisodeStore.open(tmp_path / "lift"), EpisodeStore.open(tmp_path / "lift_back"))

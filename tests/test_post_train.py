@@ -21,16 +21,16 @@ def _cfg(tmp_path, **over):
     env = {"_target_": "grpo_fakes.ToyReachEnv", "num_envs": 8, "max_steps": 16, "reward_bias": 0.3}
     real = {"_target_": "grpo_fakes.ToyReachEnv", "num_envs": 5, "max_steps": 16}
     cfg = OmegaConf.create({
-        "seed": 0, "num_threads": 1, "device": "cpu", "policy": str(tmp_path / "bc"), "tasks": TASKS,
+        "seed": 0, "num_threads": 1, "device": "cpu", "checkpoint": str(tmp_path / "bc"), "tasks": TASKS, "suite": None,
         "iterations": 4, "lr": 0.03, "resume": True, "checkpoint_every": 2, "tensorboard": True, "progress": False,
         "rl_sampler": None, "eval_sampler": None,
         "env": {"name": "imagination", "needs_context": True, "chunk_env": env, "context_env": real},
         "grpo": {"group_size": 4, "max_chunks": 4, "epochs": 2, "minibatch_size": 32, "kl_coef": 0.01,
                  "reward_mode": "return+success"},
         "starts": {"n_init": 20, "per_task": 2},
-        "evaluation": {"every": 2, "episodes_per_task": 5, "max_chunks": 4, "env": real},
+        "evaluation": {"every": 2, "episodes_per_task": 5, "num_envs": 5, "max_chunks": 4, "env": real},
         "mitigations": {"debias": {"enabled": True, "every": 1, "starts": 2, "rollouts_per_start": 2, "momentum": 0.5,
-                                   "env": None},
+                                   "env": real},
                         "denoise": {"enabled": True, "samples": 2}},
     })
     return OmegaConf.merge(cfg, OmegaConf.create(over))
@@ -62,8 +62,8 @@ def test_post_train_runs_reports_and_resumes(tmp_path):
 
 def test_post_train_clear_error_without_policy(tmp_path):
     cfg = _cfg(tmp_path)
-    cfg.policy = "???"
-    with pytest.raises(ValueError, match="policy=PATH"):
+    cfg.checkpoint = "???"
+    with pytest.raises(ValueError, match="checkpoint=PATH"):
         post_train.run(cfg, RunContext(cfg, out_dir=tmp_path / "x"))
 
 
@@ -71,7 +71,7 @@ def test_hydra_config_composes_for_both_envs():
     from hydra import compose, initialize_config_module
 
     with initialize_config_module("configs", version_base="1.3"):
-        c = compose("post_train", overrides=["policy=p", "env=sim"])
+        c = compose("post_train", overrides=["checkpoint=p", "env=sim"])
         assert c.env.name == "sim" and c.grpo.group_size >= 2 and c.evaluation.episodes_per_task == 50
-        c = compose("post_train", overrides=["policy=p", "env.world_model=w", "env.critic=c"])
-        assert c.env.name == "imagination" and c.env.chunk_env.world_model == "w"
+        c = compose("post_train", overrides=["checkpoint=p", "env.world_model=w", "env.critic=c", "suite=tiny"])
+        assert c.env.name == "imagination" and c.env.world_model == "w" and c.suite.name == "tiny"

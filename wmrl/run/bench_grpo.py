@@ -61,15 +61,15 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     def _c(x):
         return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else (x or {})
 
-    common = {"seed": cfg.seed, "num_threads": cfg.num_threads, "device": cfg.device, "policy": str(ctx.path(cfg.policy)),
+    common = {"seed": cfg.seed, "num_threads": cfg.num_threads, "device": cfg.device, "checkpoint": str(ctx.path(cfg.checkpoint)),
               **_c(cfg.post_train)}
     reports = {}
     for env_name in ("imagination", "sim"):
         over = {**common, **_c(cfg.get(env_name))}
         if env_name == "imagination":
             over.setdefault("env", {})
-            over["env"] = {**_c(over["env"]), "world_model": str(ctx.path(cfg.world_model)),
-                           "critic": str(ctx.path(cfg.critic))}
+            over["env"] = {**_c(over["env"]), "world_model": str(ctx.path(cfg.wm_checkpoint)),
+                           "critic": str(ctx.path(cfg.critic_checkpoint))}
         sub_cfg = compose_stage_config("post_train", over, groups=[f"env={env_name}"])
         sub = ctx.child(env_name, sub_cfg)
         rep = post_train.run(sub_cfg, sub)

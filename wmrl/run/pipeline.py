@@ -249,35 +249,6 @@ def plot_imagined_vs_real(history: list[dict], evals: list[dict], path: Path) ->
     return path
 
 
-@torch.no_grad()
-def record_videos(env, policy, starts: list[Start], max_chunks: int, folder: Path, prefix: str, camera: str,
-                  fps: int = 20, seed: int = 0) -> list[str]:
-    """One mp4 per start (``env`` must support ``record(slot, camera)`` / ``take_frames``)."""
-    import imageio.v2 as imageio
-
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    b = env.num_envs
-    gen = torch.Generator().manual_seed(seed)
-    for i in range(0, len(starts), b):
-        real = starts[i:i + b]
-        batch = real + [real[-1]] * (b - len(real))
-        for j in range(b):
-            env.record(j, camera if j < len(real) else None)
-        ro = grpo.rollout_batch(env, policy, batch, torch.arange(b), max_chunks, generator=gen)
-        for j, s in enumerate(real):
-            frames = env.take_frames(j)
-            if not frames:
-                continue
-            ok = "success" if bool(ro.success[j]) else "fail"
-            p = folder / f"{prefix}_{s.task_name}_{s.split}{s.init_index}_{ok}.mp4"
-            imageio.mimsave(p, frames, fps=fps, macro_block_size=1)
-            paths.append(str(p))
-        for j in range(b):
-            env.record(j, None)
-    return paths
-
-
 # ------------------------------------------------------------------------------------------
 # run
 # ------------------------------------------------------------------------------------------
@@ -291,21 +262,22 @@ def apply_preset(cfg: DictConfig) -> DictConfig:
     presets = cfg.get("presets") or {}
     if name not in presets:
         raise ValueError(f"unknown pipeline preset {name!r}; known: {sorted(presets)}")
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))  # not struct: presets may add keys
     merged = OmegaConf.merge(cfg, presets[name])
     with open_dict(merged):
         merged.preset = name
     return merged
 
 
-def _eval_policy(policy_path: Path, cfg: DictConfig, tasks: dict, eval_env, seed: int) -> dict:
-    from wmrl.run.post_train import load_policy, using_sampler
+def _eval_policy(policy_path: Path, cfg: DictConfig, tasks: dict, suite, out_dir: Path | None, videos: int) -> dict:
+    from wmrl.run.post_train import evaluate_real, load_policy, using_sampler
 
     policy, _ = load_policy(policy_path, cfg.device)
     policy.eval()
     sampler = hydra.utils.instantiate(cfg.eval_sampler) if cfg.get("eval_sampler") else None
-    starts = grpo.all_starts(tasks, int(cfg.evaluation.episodes_per_task), split="eval")
     with using_sampler(policy, sampler):
-        r = grpo.evaluate_success(eval_env, policy, starts, int(cfg.evaluation.max_chunks), seed=seed, progress=True)
+        r = evaluate_real(policy, tasks, int(cfg.evaluation.episodes_per_task), int(cfg.evaluation.num_envs),
+                          int(cfg.seed), suite=suite, out_dir=out_dir, videos_per_task=videos, progress=True)
     r["policy"] = str(policy_path)
     return r
 
@@ -316,24 +288,32 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     checkpoints."""
     cfg = apply_preset(cfg)
     (ctx.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    from wmrl.run.post_train import make_sim_env, task_instructions
+    from wmrl.run.post_train import make_sim_env
 
     t_start = time.time()
-    tasks = task_instructions(cfg.tasks)
+    suite_cfg = _container(cfg.suite)
+    suite_cfg["tasks"] = list(cfg.tasks)
+    suite = hydra.utils.instantiate(suite_cfg)
+    tasks = {t: suite.instruction(t) for t in suite.task_names}
     stages = Stages(ctx, resume=bool(cfg.resume))
     out = ctx.out_dir
     task_list = list(tasks)
     seed = int(cfg.seed)
     common = {"seed": seed, "num_threads": cfg.num_threads, "device": cfg.device}
     S = cfg.stages
+    G = cfg.get("stage_groups") or {}
+
+    def groups(name: str) -> list[str]:
+        return [str(x) for x in (G.get(name) or [])]
 
     # 1. noisy scripted demos
     demos = out / "collect" / "demos.zarr"
-    c = compose_stage_config("collect", {**common, **_container(S.collect), "tasks": task_list, "out": str(demos)})
+    c = compose_stage_config("collect", {**common, **_container(S.collect), "suite": suite_cfg, "tasks": task_list,
+                                         "out": str(demos)}, groups=groups("collect"))
     stages.run("collect", c, _module_run("collect"))
 
     # 2. behaviour cloning
-    c = compose_stage_config("train_policy", {**common, **_container(S.bc), "store": str(demos)})
+    c = compose_stage_config("train_policy", {**common, **_container(S.bc), "store": str(demos)}, groups=groups("bc"))
     stages.run("bc", c, _module_run("train_policy"))
     bc_ckpt = out / "bc" / "checkpoints" / "last"
 
@@ -347,7 +327,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
         policy, _ = load_policy(bc_ckpt, cfg.device)
         policy.eval()
-        env = make_sim_env(int(scfg.num_envs), **_container(scfg.get("sim", {}) or {}))
+        env = make_sim_env(int(scfg.num_envs), suite=suite)
         n = int(scfg.episodes_per_task)
         rng = np.random.default_rng([seed, 3])
         starts = [Start(task_name=t, instruction=tasks[t], init_index=int(k), split="train")
@@ -371,53 +351,35 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     stages.run("bc_rollouts", OmegaConf.create({**common, **_container(S.bc_rollouts)}), _bc_rollouts)
 
     # 4. world model + critic on demos + rollouts
-    c = compose_stage_config("train_worldmodel", {**common, **_container(S.worldmodel), "store": str(mixed)})
+    c = compose_stage_config("train_worldmodel", {**common, **_container(S.worldmodel), "store": str(mixed)},
+                             groups=groups("worldmodel"))
     stages.run("worldmodel", c, _module_run("train_worldmodel"))
-    c = compose_stage_config("train_critic", {**common, **_container(S.critic), "store": str(mixed)})
+    c = compose_stage_config("train_critic", {**common, **_container(S.critic), "store": str(mixed)},
+                             groups=groups("critic"))
     stages.run("critic", c, _module_run("train_critic"))
     wm_ckpt = out / "worldmodel" / "checkpoints" / "last"
     critic_ckpt = out / "critic" / "checkpoints" / "last"
 
     # 5-7. real-sim evaluation before, GRPO in imagination, evaluation after
-    eval_env = None
-
-    def _get_eval_env():
-        nonlocal eval_env
-        if eval_env is None:
-            eval_env = make_sim_env(int(cfg.evaluation.num_envs), **_container(cfg.evaluation.get("sim", {}) or {}))
-        return eval_env
-
-    before = stages.run("eval_before", OmegaConf.create({**common, "policy": str(bc_ckpt)}),
-                        lambda c_, x_: _eval_policy(bc_ckpt, cfg, tasks, _get_eval_env(), seed))
-
+    nv = int(cfg.videos.per_task)
+    before = stages.run("eval_before", OmegaConf.create({**common, "checkpoint": str(bc_ckpt)}),
+                        lambda c_, x_: _eval_policy(bc_ckpt, cfg, tasks, suite, x_.out_dir, nv))
     gcfg = compose_stage_config(
         "post_train",
-        {**common, **_container(S.grpo), "policy": str(bc_ckpt), "tasks": task_list,
-         "env": {"world_model": str(wm_ckpt), "critic": str(critic_ckpt)}},
-        groups=["env=imagination"])
+        {**common, **_container(S.grpo), "checkpoint": str(bc_ckpt), "tasks": task_list, "suite": suite_cfg,
+         "env": {**_container(S.grpo.get("env", {}) or {}), "world_model": str(wm_ckpt), "critic": str(critic_ckpt)}},
+        groups=["env=imagination"] + groups("grpo"))
     grep = stages.run("grpo", gcfg, _module_run("post_train"))
     grpo_ckpt = out / "grpo" / "checkpoints" / "last"
-    after = stages.run("eval_after", OmegaConf.create({**common, "policy": str(grpo_ckpt)}),
-                       lambda c_, x_: _eval_policy(grpo_ckpt, cfg, tasks, _get_eval_env(), seed))
+    after = stages.run("eval_after", OmegaConf.create({**common, "checkpoint": str(grpo_ckpt)}),
+                       lambda c_, x_: _eval_policy(grpo_ckpt, cfg, tasks, suite, x_.out_dir, nv))
 
     # 8. plots, videos, report
     plots = {"success_before_after": str(plot_before_after(before, after, out / "success_before_after.png")),
              "imagined_vs_real": str(plot_imagined_vs_real(grep.get("history", []), grep.get("evals", []),
                                                             out / "imagined_vs_real.png"))}
-    videos: list[str] = []
-    nv = int(cfg.videos.per_task)
-    if nv > 0:
-        from wmrl.run.post_train import load_policy, using_sampler
-
-        vstarts = grpo.all_starts(tasks, nv, split="eval")
-        sampler = hydra.utils.instantiate(cfg.eval_sampler) if cfg.get("eval_sampler") else None
-        venv = _get_eval_env()
-        for tag, ck in (("before", bc_ckpt), ("after", grpo_ckpt)):
-            pol, _ = load_policy(ck, cfg.device)
-            pol.eval()
-            with using_sampler(pol, sampler):
-                videos += record_videos(venv, pol, vstarts, int(cfg.evaluation.max_chunks), out / "videos", tag,
-                                        camera=str(cfg.videos.camera), seed=seed)
+    videos = [str(out / "eval_before" / v) for v in before.get("videos", [])] + \
+        [str(out / "eval_after" / v) for v in after.get("videos", [])]
     per_task = {t: {"before": before["per_task"][t]["success"], "before_ci95": before["per_task"][t]["ci95"],
                     "after": after["per_task"][t]["success"], "after_ci95": after["per_task"][t]["ci95"],
                     "gain": after["per_task"][t]["success"] - before["per_task"][t]["success"]} for t in task_list}

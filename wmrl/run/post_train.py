@@ -2,12 +2,16 @@
 or directly in the simulator (``env=sim``, the baseline), with periodic real-sim evaluation on
 held-out init states, and resume from ``checkpoints/last``.
 
-    wmrl post-train policy=runs/bc/checkpoints/last env=imagination \
+    wmrl post-train checkpoint=runs/bc/checkpoints/last env=imagination \
         env.world_model=runs/wm/checkpoints/last env.critic=runs/critic/checkpoints/last iterations=20
+    wmrl post-train checkpoint=runs/bc/checkpoints/last env=sim          # the baseline
 
-This is a composition root: it builds the ChunkEnv (``cfg.env.chunk_env``, a ``_target_``), the
-policy (checkpoint + the RL sampler ``cfg.rl_sampler``), the real-sim evaluation env
-(``cfg.evaluation.env``), and hands them to :func:`wmrl.grpo.train_grpo`.
+(The policy checkpoint key is ``checkpoint``: ``policy`` is the name of the policy config group.)
+
+This is a composition root: it builds the suite (``cfg.suite``), the GRPO ChunkEnv (:func:`build_env`:
+the suite's ``SimEnv``, an ``ImaginationEnv`` from world-model and critic checkpoints, or any
+``env.chunk_env`` ``_target_``), the policy (checkpoint + the RL sampler ``cfg.rl_sampler``), the
+real-sim evaluation (:func:`evaluate_real`), and hands them to :func:`wmrl.grpo.train_grpo`.
 Mitigations of world-model reward errors (``cfg.mitigations``): ``debias`` (online debiasing from a
 few real-sim rollouts, needs ``cfg.mitigations.debias.env``) and ``denoise`` (inverse-variance
 weighting over ``samples`` extra imagined replays with other seeds).
@@ -48,14 +52,15 @@ def task_instructions(tasks: Any) -> dict[str, str]:
     return {n: get_task(n).instruction for n in names}
 
 
-def make_sim_env(num_envs: int, image_size=(64, 64), cameras=("agentview", "robot0_eye_in_hand"),
-                 render: dict | None = None, auto_reset: bool = True, device: str = "cpu"):
-    """The real simulator as a ChunkEnv: ``sim.env.SimEnv`` over the suite's init states."""
-    from sim import init_states
-    from sim.env import SimEnv
+def make_sim_env(num_envs: int, suite=None, tasks=None, **suite_kwargs):
+    """The real simulator as a ChunkEnv: ``sim.suite.Suite(...).make_env(num_envs)``.
 
-    return SimEnv(int(num_envs), init_states=init_states.get, cameras=tuple(cameras), image_size=tuple(image_size),
-                  render=dict(render) if render else None, auto_reset=auto_reset, device=device)
+    ``suite``: a ``Suite`` (or ``None`` to build one from ``tasks`` and ``suite_kwargs``)."""
+    if suite is None:
+        from sim.suite import Suite
+
+        suite = Suite(tasks=list(tasks) if tasks else None, **suite_kwargs)
+    return suite.make_env(int(num_envs))
 
 
 def make_imagination_env(world_model: str, critic: str, num_envs: int, seed: int = 0, device: str = "cpu", **kwargs):
@@ -120,6 +125,52 @@ def load_policy(path, device: str = "cpu"):
     return load_checkpoint(path, map_location=device), cfg
 
 
+def build_env(env_cfg: DictConfig, suite, seed: int = 0, device: str = "cpu"):
+    """The GRPO ChunkEnv: ``env_cfg.chunk_env`` (any ``_target_``) if given, else the suite's SimEnv
+    (``name: sim``) or an ImaginationEnv from checkpoints (``name: imagination``)."""
+    if env_cfg.get("chunk_env"):
+        return instantiate(env_cfg.chunk_env, seed=seed) if "seed" in env_cfg.chunk_env else instantiate(env_cfg.chunk_env)
+    name = str(env_cfg.name)
+    if name == "sim":
+        if suite is None:
+            raise ValueError("env=sim needs a suite (suite=default)")
+        return make_sim_env(int(env_cfg.num_envs), suite=suite)
+    if name == "imagination":
+        for k in ("world_model", "critic"):
+            if env_cfg.get(k) in (None, "", "???"):
+                raise ValueError(f"env=imagination needs env.{k}=PATH (a {k} checkpoint folder)")
+        kw = OmegaConf.to_container(env_cfg.get("imagination") or {}, resolve=True)
+        return make_imagination_env(str(env_cfg.world_model), str(env_cfg.critic), int(env_cfg.num_envs), seed=seed,
+                                    device=device, **kw)  # type: ignore[arg-type]
+    raise ValueError(f"env.name must be 'sim' or 'imagination', got {name!r}")
+
+
+def evaluate_real(policy, tasks: dict, episodes_per_task: int, num_envs: int, seed: int, suite=None, env=None,
+                  max_chunks: int = 20, out_dir=None, videos_per_task: int = 0, progress: bool = False) -> dict:
+    """Real-sim success on held-out init states ``0..episodes_per_task-1`` of every task.
+
+    With a ``suite``: :func:`wmrl.evaluation.evaluate_policy` (per-episode seeds, videos); with an
+    explicit ``env`` (tests, custom envs): :func:`wmrl.grpo.evaluate_success`. Returns
+    ``{"success", "ci95", "n", "per_task": {task: {"success", "ci95", "n"}}}``."""
+    if env is not None or suite is None:
+        if env is None:
+            raise ValueError("evaluation needs a suite or evaluation.env")
+        r = grpo.evaluate_success(env, policy, grpo.all_starts(tasks, episodes_per_task, split="eval"), max_chunks,
+                                  seed=seed, progress=progress)
+        r.pop("episodes", None)
+        return r
+    from wmrl.evaluation import evaluate_policy
+
+    rep = evaluate_policy(policy, suite, episodes_per_task=episodes_per_task, batch_size=num_envs, seed=seed,
+                          out_dir=out_dir, videos_per_task=videos_per_task, tasks=list(tasks), progress=progress)
+    out = {"success": rep["overall"]["success_rate"], "ci95": rep["overall"]["ci95"], "n": rep["overall"]["episodes"],
+           "per_task": {t: {"success": v["success_rate"], "ci95": v["ci95"], "n": v["episodes"],
+                            "mean_length": v["mean_length"]} for t, v in rep["tasks"].items()}}
+    if "videos" in rep:
+        out["videos"] = rep["videos"]
+    return out
+
+
 # ------------------------------------------------------------------------------------------
 # run
 # ------------------------------------------------------------------------------------------
@@ -132,13 +183,16 @@ def _maybe(cfg: DictConfig | None, key: str, default=None):
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     """GRPO post-training (see module docstring). Returns the report dict: before/after real-sim
     success with CIs, the evaluation curve, the per-iteration history, mitigation settings."""
-    if cfg.get("policy") in (None, "", "???"):
-        raise ValueError("post-train needs policy=PATH (a policy checkpoint folder, e.g. runs/bc/checkpoints/last)")
-    policy_path = ctx.path(cfg.policy)
-    tasks = task_instructions(cfg.tasks)
+    if cfg.get("checkpoint") in (None, "", "???"):
+        raise ValueError("post-train needs checkpoint=PATH (a policy checkpoint folder, e.g. runs/bc/checkpoints/last)")
+    policy_path = ctx.path(cfg.checkpoint)
+    suite = instantiate(cfg.suite, tasks=list(cfg.tasks)) if cfg.get("suite") else None
+    tasks = {t: suite.instruction(t) for t in suite.task_names} if suite is not None else task_instructions(cfg.tasks)
     policy, policy_cfg = load_policy(policy_path, cfg.device)
     rl_sampler = instantiate(cfg.rl_sampler) if cfg.get("rl_sampler") else None
     eval_sampler = instantiate(cfg.eval_sampler) if cfg.get("eval_sampler") else None
+    if eval_sampler is None and hasattr(policy, "sampler"):
+        eval_sampler = policy.sampler  # the checkpoint's own (deterministic) sampler
     if rl_sampler is not None and hasattr(policy, "sampler"):
         policy.sampler = rl_sampler
     ref_policy = None
@@ -146,24 +200,23 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     if gcfg.kl_coef > 0:
         ref_policy = grpo.make_reference(policy)
 
-    env = instantiate(cfg.env.chunk_env)
-    starts_fn = grpo.InitStateStarts(tasks, n_init=cfg.starts.n_init, per_task=cfg.starts.per_task, split="train",
+    env = build_env(cfg.env, suite, seed=int(cfg.seed), device=str(cfg.device))
+    n_init = cfg.starts.get("n_init") or min(suite.num_init_states(t, "train") for t in tasks)
+    starts_fn = grpo.InitStateStarts(tasks, n_init=int(n_init), per_task=cfg.starts.per_task, split="train",
                                      seed=cfg.seed)
-    needs_context = bool(cfg.env.get("needs_context", False))
-    ctx_env = None
-    if needs_context:
-        ctx_env = instantiate(cfg.env.context_env)
+    if str(cfg.env.name) == "imagination":
+        ctx_env = instantiate(cfg.env.context_env) if cfg.env.get("context_env") else \
+            make_sim_env(int(cfg.env.get("context_num_envs", 4)), suite=suite)
         starts_fn = ContextStarts(starts_fn, ctx_env)
 
     # real-sim evaluation on held-out init states
     ev = cfg.evaluation
     eval_env = instantiate(ev.env) if ev.get("env") else None
-    eval_starts = grpo.all_starts(tasks, int(ev.episodes_per_task), split="eval")
 
     def evaluate_fn(p, n):
         with using_sampler(p, eval_sampler):
-            r = grpo.evaluate_success(eval_env, p, eval_starts, int(ev.max_chunks), seed=int(cfg.seed))
-        r.pop("episodes", None)
+            r = evaluate_real(p, tasks, int(ev.episodes_per_task), int(ev.num_envs), int(cfg.seed), suite=suite,
+                              env=eval_env, max_chunks=int(ev.max_chunks))
         log.info("iteration %d: real-sim success %.3f %s", n, r["success"], {k: v["success"] for k, v in r["per_task"].items()})
         return r
 
@@ -173,9 +226,12 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     debiaser = real_fn = None
     debias_starts = 0
     if deb is not None and deb.get("enabled", False):
-        real_env = instantiate(deb.env) if deb.get("env") else eval_env
-        if real_env is None:
-            raise ValueError("mitigations.debias.enabled needs a real-sim env (mitigations.debias.env or evaluation.env)")
+        if deb.get("env"):
+            real_env = instantiate(deb.env)
+        elif suite is not None:
+            real_env = make_sim_env(int(deb.get("num_envs", 4)), suite=suite)
+        else:
+            raise ValueError("mitigations.debias.enabled needs a real sim: a suite or mitigations.debias.env")
         debiaser = grpo.OnlineDebiaser(momentum=float(deb.momentum))
         real_fn = grpo.real_rollout_fn_for(real_env, policy, gcfg, rollouts_per_start=int(deb.rollouts_per_start),
                                            generator=torch.Generator().manual_seed(int(cfg.seed) + 17))
@@ -184,7 +240,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     replay_envs = []
     if den is not None and den.get("enabled", False):
         for s in range(int(den.samples)):
-            replay_envs.append(instantiate(cfg.env.chunk_env, seed=int(cfg.seed) + 1000 + s))
+            replay_envs.append(build_env(cfg.env, suite, seed=int(cfg.seed) + 1000 + s, device=str(cfg.device)))
 
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=float(cfg.lr))
@@ -194,7 +250,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
         writer = SummaryWriter(str(ctx.out_dir / "tb"))
     out = grpo.train_grpo(policy, policy_cfg, env, optimizer, starts_fn, gcfg, int(cfg.iterations), ctx.out_dir,
-                          ref_policy=ref_policy, evaluate_fn=evaluate_fn if eval_env is not None else None,
+                          ref_policy=ref_policy, evaluate_fn=evaluate_fn if int(ev.episodes_per_task) > 0 else None,
                           eval_every=int(ev.every), checkpoint_every=int(cfg.checkpoint_every), resume=bool(cfg.resume),
                           seed=int(cfg.seed), debiaser=debiaser, real_rollout_fn=real_fn, debias_starts=debias_starts,
                           debias_every=int(_maybe(deb, "every", 1) or 1), replay_envs=replay_envs,

@@ -3,6 +3,7 @@ bad input (clear errors, nothing stored lost), WindowDataset and the masked loss
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -447,3 +448,18 @@ def test_missing_episode_group_is_reported(store):
     shutil.rmtree(store.path / "episodes" / "ep_000000")
     with pytest.raises(StoreFormatError, match="missing on disk"):
         EpisodeStore.open(store.path).episode(0)
+
+
+def test_torch_tensors_and_numpy_info_are_accepted(store):
+    e = random_episode(4, CAMS, seed=4)
+    t = dataclasses.replace(
+        e, images={c: torch.from_numpy(v) for c, v in e.images.items()}, proprio=torch.from_numpy(e.proprio),
+        actions=torch.from_numpy(e.actions).double(), rewards=torch.from_numpy(e.rewards),
+        success=torch.tensor(True), info={"seed": np.int64(4), "xy": np.array([1.5, 2.0])})
+    assert store.append(t) == 0
+    back = store.episode(0)
+    assert back.actions.dtype == np.float32 and back.info == {"seed": 4, "xy": [1.5, 2.0]} and back.success is True
+    np.testing.assert_array_equal(back.images["agentview"], e.images["agentview"])
+    bad = dataclasses.replace(t, images={**t.images, "agentview": t.images["agentview"].float()})
+    with pytest.raises(EpisodeValidationError, match="uint8"):
+        store.append(bad)

@@ -25,6 +25,7 @@ of readers may open it meanwhile (call :meth:`EpisodeStore.refresh` to see newer
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import math
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import torch
 import zarr
 from zarr.codecs import ZstdCodec
 
@@ -284,7 +286,7 @@ class EpisodeStore:
     def validate(self, episode: Episode, index: int | None = None) -> None:
         """Check ``episode`` against the store without writing; raise :class:`EpisodeValidationError`
         naming episode, key and step of the first problem."""
-        _validate_episode(episode, self._meta, index)
+        _validate_episode(_coerce_episode(episode), self._meta, index)
 
     def append(self, episode: Episode) -> int:
         """Validate, write and commit one episode; return its index.
@@ -294,6 +296,7 @@ class EpisodeStore:
         """
         if self.mode != "a":
             raise StoreError(f"{self.path} is open read-only; use EpisodeStore.open(path, mode='a') to append")
+        episode = _coerce_episode(episode)
         _validate_episode(episode, self._meta, len(self._index))
         with self._append_lock():
             index = _read_index(self.path)
@@ -519,6 +522,41 @@ def _write_index(path: Path, episodes: list[dict], durable: bool = True) -> None
 
 
 # ---------------------------------------------------------------------- validation
+def _plain(x: Any) -> Any:
+    """numpy / torch scalars and arrays inside ``info`` -> plain JSON types (others unchanged)."""
+    if isinstance(x, Mapping):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().tolist()
+    return x
+
+
+def _coerce_episode(ep: Episode) -> Episode:
+    """A shallow copy of ``ep`` with torch tensors as numpy arrays and ``info`` as plain JSON types
+    (dtypes and shapes are left for :func:`_validate_episode` to judge)."""
+    if not isinstance(ep, Episode):
+        return ep
+
+    def arr(x):
+        return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
+
+    return dataclasses.replace(
+        ep,
+        images={k: arr(v) for k, v in (ep.images or {}).items()},
+        proprio=arr(ep.proprio), actions=arr(ep.actions), rewards=arr(ep.rewards),
+        sim_states=arr(ep.sim_states), extras={k: arr(v) for k, v in (ep.extras or {}).items()},
+        success=bool(ep.success.item()) if isinstance(ep.success, (torch.Tensor, np.ndarray))
+        and ep.success.dtype in (torch.bool, np.bool_) and ep.success.ndim == 0 else ep.success,
+        info=_plain(ep.info or {}),
+    )
+
+
 def _validate_episode(ep: Episode, meta: dict, index: int | None) -> None:
     def err(msg: str, key: str | None = None, step: int | None = None):
         return EpisodeValidationError(msg, episode=index, key=key, step=step)

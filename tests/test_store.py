@@ -463,3 +463,19 @@ def test_torch_tensors_and_numpy_info_are_accepted(store):
     bad = dataclasses.replace(t, images={**t.images, "agentview": t.images["agentview"].float()})
     with pytest.raises(EpisodeValidationError, match="uint8"):
         store.append(bad)
+
+
+def test_failed_write_leaves_no_partial_group(store, monkeypatch):
+    store.append(random_episode(3, CAMS))
+    import zarr
+
+    def boom(self, *a, **k):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(zarr.Group, "create_array", boom)
+    with pytest.raises(OSError, match="No space"):
+        store.append(random_episode(3, CAMS, seed=1))
+    monkeypatch.undo()
+    assert len(EpisodeStore.open(store.path)) == 1
+    assert not (store.path / "episodes" / "ep_000001").exists()
+    assert store.append(random_episode(2, CAMS)) == 1

@@ -305,9 +305,13 @@ class EpisodeStore:
             ep_dir = self.path / "episodes" / name
             if ep_dir.exists():  # orphan of a killed append: never indexed, nobody reads it
                 shutil.rmtree(ep_dir)
-            self._write_episode_group(f"episodes/{name}", episode)
-            if self.durable:
-                _fsync_tree(ep_dir)
+            try:
+                self._write_episode_group(f"episodes/{name}", episode)
+                if self.durable:
+                    _fsync_tree(ep_dir)
+            except BaseException:  # e.g. disk full or KeyboardInterrupt: drop the uncommitted group
+                shutil.rmtree(ep_dir, ignore_errors=True)
+                raise
             entry = {
                 "name": name,
                 "length": int(episode.length),

@@ -231,3 +231,17 @@ def test_lift_import_acceptance(shared_data, tmp_path):
     flipped = [psnr(f[::-1], r) for f, r in zip(frames, refs)]
     print(f"lift import: {report['import_wall_s']} s, PSNR upright {up}, flipped {flipped}")
     assert min(up) > 28.0 and max(flipped) < 15.0
+
+
+def test_quaternion_sign_is_kept_continuous():
+    from wmrl.storage.robomimic import _continuous_quat
+
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(1, 4)) + np.cumsum(rng.normal(scale=0.01, size=(50, 4)), axis=0)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    flips = rng.random(50) < 0.3
+    flips[0] = False
+    noisy = np.where(flips[:, None], -q, q)
+    _continuous_quat(noisy)
+    np.testing.assert_allclose(noisy, q * np.sign(q[0] @ noisy[0]))
+    assert (np.sum(noisy[1:] * noisy[:-1], axis=1) > 0).all()

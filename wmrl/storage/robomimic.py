@@ -23,8 +23,9 @@ Conventions of the produced :class:`wmrl.types.Episode`:
   ``shared/data/derived`` by ``tests/test_import_robomimic.py``),
 * proprio ``float32 (T, 9)``: position (m) and orientation ``quat_wxyz`` of the site
   ``gripper0_grip_site`` (robosuite's end-effector site; ``gripper0_right_grip_site`` in robosuite
-  1.5 scenes) in the frame of body ``robot0_base``, then the two finger joint positions (m) of
-  ``gripper0_finger_joint1/2``,
+  1.5 scenes) in the frame of body ``robot0_base`` (robosuite's own ``robot0_eef_pos`` is in the
+  world frame), then the two finger joint positions (m) of ``gripper0_finger_joint1/2``; the
+  quaternion sign has ``w >= 0`` at the first step and is then kept continuous over the episode,
 * rewards and success: robosuite demo files carry no rewards, and recomputing them would need the
   task code of the recording version. The demos are successful human demonstrations (robosuite's
   ``collect_human_demonstrations.py`` keeps an episode only when the task succeeded), so every
@@ -472,6 +473,14 @@ def _mat_to_quat_wxyz(mat: np.ndarray) -> np.ndarray:
     return q
 
 
+def _continuous_quat(q: np.ndarray) -> None:
+    """In place on ``(T, 4)``: flip signs so consecutive quaternions have a positive dot product
+    (``q`` and ``-q`` are the same rotation; a sign jump would look like a large motion)."""
+    for t in range(1, q.shape[0]):
+        if float(np.dot(q[t], q[t - 1])) < 0:
+            q[t] = -q[t]
+
+
 class StateReplayRenderer:
     """Set recorded MuJoCo states in a compiled scene and read camera frames and proprio.
 
@@ -594,6 +603,7 @@ def read_robomimic(info: RobomimicInfo, cameras: Sequence[str] = DEFAULT_CAMERAS
                     for c in cameras:
                         images[c][t] = frames[c]
                     proprio[t] = rr.proprio()
+            _continuous_quat(proprio[:, 3:7])
             rewards = np.zeros(T, np.float32)
             rewards[-1] = 1.0
             yield Episode(

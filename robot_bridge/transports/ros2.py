@@ -1,0 +1,342 @@
+"""ROS 2 transport without ROS: Cyclone DDS with ROS 2 topic and type names.
+
+Topics (ROS 2 name -> DDS topic ``rt/<name>``), namespace ``/wmrl`` by default:
+
+==============================  ================================  ==================
+topic                           type                              direction
+==============================  ================================  ==================
+``/wmrl/joint_states``          ``sensor_msgs/msg/JointState``    robot -> server
+``/wmrl/<camera>/image_raw``    ``sensor_msgs/msg/Image`` (rgb8)  robot -> server
+``/wmrl/chunk_request``         ``trajectory_msgs/msg/JointTrajectory`` (RTC prefix) robot -> server
+``/wmrl/action_chunk``          ``trajectory_msgs/msg/JointTrajectory``  server -> robot
+``/wmrl/estop``                 ``std_msgs/msg/Bool``             server/operator -> robot
+``/wmrl/bridge/to_server``      ``std_msgs/msg/String`` (JSON of the protobuf message)  robot -> server
+``/wmrl/bridge/to_robot``       ``std_msgs/msg/String`` (JSON)    server -> robot
+==============================  ================================  ==================
+
+One observation is a ``JointState`` (proprio in ``position``), one ``Image`` per camera and one
+``JointTrajectory`` on ``chunk_request`` (the committed prefix as points), all with the same
+``header.stamp`` (the capture time); the server assembles them by stamp. The bridge's
+bookkeeping (episode, control step, request id, delay steps, number of images, inference time)
+travels in ``header.frame_id`` as ``"<frame>;ep=0;step=12;req=5;delay=3;n=2"``. A chunk is a
+``JointTrajectory`` whose ``joint_names`` name the action dimensions and whose point ``i``
+holds action ``i`` with ``time_from_start = i / control_hz``.
+
+Messages that do not fit (malformed bookkeeping, inconsistent image sizes, chunk points of the
+wrong width, bad JSON) raise :class:`robot_bridge.messages.MessageError` from ``recv``; nothing
+is torn down. DDS has no connection: a dead peer is silence (the client's watchdog handles it).
+
+Loopback only for tests: :func:`loopback_config` restricts Cyclone DDS to ``lo`` without
+multicast, with ``127.0.0.1`` as the only discovery peer.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from importlib import resources
+
+import numpy as np
+from google.protobuf import json_format
+
+from robot_bridge import messages as M
+from robot_bridge.transports import ros2_types as R
+
+_DOMAINS: dict = {}
+_DOMAINS_LOCK = threading.Lock()
+
+ACTION_NAMES_7 = ["dx", "dy", "dz", "dax", "day", "daz", "gripper"]
+
+
+def loopback_config() -> str:
+    """Cyclone DDS XML: interface ``lo``, no multicast, unicast discovery of ``127.0.0.1`` only."""
+    return resources.files("robot_bridge.transports").joinpath("cyclonedds_loopback.xml").read_text()
+
+
+def _meta_encode(frame: str, **kv) -> str:
+    return ";".join([frame] + [f"{k}={v}" for k, v in kv.items()])
+
+
+def _meta_decode(frame_id: str) -> dict[str, str]:
+    parts = frame_id.split(";")
+    out = {}
+    for p in parts[1:]:
+        if "=" not in p:
+            raise M.MessageError("malformed", f"header.frame_id {frame_id!r} is not '<frame>;key=value;...'")
+        k, v = p.split("=", 1)
+        out[k] = v
+    return out
+
+
+def _int(meta: dict, key: str, default: int | None = None) -> int:
+    try:
+        return int(meta[key]) if key in meta or default is None else default
+    except (KeyError, ValueError):
+        raise M.MessageError("malformed", f"header.frame_id lacks an integer {key!r}") from None
+
+
+class Ros2Transport:
+    """One endpoint (``role="robot"`` or ``"server"``) of the ROS 2 link.
+
+    Args:
+        role: which side this is.
+        cameras: camera names (one image topic each).
+        domain_id: DDS domain (``ROS_DOMAIN_ID``).
+        namespace: ROS namespace of the topics.
+        limits: what is accepted (``action_dim`` checked on chunks, sizes on images).
+        config: Cyclone DDS XML; default :func:`loopback_config`; ``""``: Cyclone's own defaults
+            (``CYCLONEDDS_URI``).
+        control_hz: used for ``time_from_start`` of trajectory points.
+        frame: coordinate frame written in headers.
+        match_timeout_s: how long the first message on a topic waits for a subscriber.
+    """
+
+    def __init__(self, role: str, cameras=("agentview", "robot0_eye_in_hand"), domain_id: int = 0,
+                 namespace: str = "/wmrl", limits: M.Limits | None = None, config: str | None = None,
+                 control_hz: float = 20.0, frame: str = "base", action_names: list[str] | None = None,
+                 match_timeout_s: float = 3.0):
+        from cyclonedds.core import Listener, Qos, Policy
+        from cyclonedds.domain import Domain, DomainParticipant
+        from cyclonedds.pub import DataWriter
+        from cyclonedds.sub import DataReader
+        from cyclonedds.topic import Topic
+
+        if role not in ("robot", "server"):
+            raise ValueError(f"role must be 'robot' or 'server', got {role!r}")
+        self.role = role
+        self.cameras = list(cameras)
+        self.limits = limits or M.Limits()
+        self.control_hz = control_hz
+        self.frame = frame
+        self.action_names = action_names
+        self.match_timeout_s = match_timeout_s
+        self._inbox: queue.Queue = queue.Queue()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._partial: dict[int, dict] = {}
+        cfg = loopback_config() if config is None else config
+        with _DOMAINS_LOCK:  # one configured Domain per process and id (Cyclone's rule)
+            if cfg and domain_id not in _DOMAINS:
+                _DOMAINS[domain_id] = Domain(domain_id, cfg)
+        self.dp = DomainParticipant(domain_id)
+        qos = Qos(Policy.Reliability.Reliable(max_blocking_time=100_000_000), Policy.History.KeepLast(32),
+                  Policy.DataRepresentation(use_cdrv0_representation=True))
+        ns = namespace.rstrip("/")
+
+        def topic(name, typ):
+            return Topic(self.dp, f"rt{ns}/{name}", typ, qos=qos)
+
+        t_js = topic("joint_states", R.JointState)
+        t_img = {c: topic(f"{c}/image_raw", R.Image) for c in self.cameras}
+        t_req = topic("chunk_request", R.JointTrajectory)
+        t_chunk = topic("action_chunk", R.JointTrajectory)
+        t_estop = topic("estop", R.Bool)
+        t_to_server = topic("bridge/to_server", R.String)
+        t_to_robot = topic("bridge/to_robot", R.String)
+        self._writers_matched: set[int] = set()
+
+        def reader(t, fn):
+            return DataReader(self.dp, t, qos=qos, listener=Listener(on_data_available=lambda r: self._safe(fn, r)))
+
+        if role == "robot":
+            self.w_js = DataWriter(self.dp, t_js, qos=qos)
+            self.w_img = {c: DataWriter(self.dp, t, qos=qos) for c, t in t_img.items()}
+            self.w_req = DataWriter(self.dp, t_req, qos=qos)
+            self.w_ctrl = DataWriter(self.dp, t_to_server, qos=qos)
+            self._readers = [reader(t_chunk, self._on_chunk), reader(t_to_robot, self._on_ctrl),
+                             reader(t_estop, self._on_estop)]
+        else:
+            self.w_chunk = DataWriter(self.dp, t_chunk, qos=qos)
+            self.w_ctrl = DataWriter(self.dp, t_to_robot, qos=qos)
+            self.w_estop = DataWriter(self.dp, t_estop, qos=qos)
+            self._readers = [reader(t_js, self._on_js), reader(t_req, self._on_req), reader(t_to_server, self._on_ctrl)]
+            self._readers += [reader(t, lambda im, c=c: self._on_img(im, c)) for c, t in t_img.items()]
+        self._task = ""  # the instruction from Hello (observations on ROS topics carry no text)
+
+    # ------------------------------------------------------------------ plumbing
+    def _safe(self, fn, r) -> None:
+        try:
+            for s in r.take(N=64):
+                fn(s)
+        except M.MessageError as e:
+            self._inbox.put(e)
+        except Exception as e:  # never kill the DDS listener thread
+            self._inbox.put(M.MessageError("malformed", f"could not read a ROS 2 message: {e}"))
+
+    def _write(self, w, msg) -> None:
+        if self._closed:
+            raise ConnectionError("Ros2Transport is closed")
+        if id(w) not in self._writers_matched:
+            t_end = time.monotonic() + self.match_timeout_s
+            while w.get_publication_matched_status().current_count == 0 and time.monotonic() < t_end:
+                time.sleep(0.01)
+            self._writers_matched.add(id(w))
+        w.write(msg)
+
+    def wait_for_peer(self, timeout: float = 5.0) -> bool:
+        """Wait until the other side's readers of our control topic are discovered."""
+        t_end = time.monotonic() + timeout
+        while time.monotonic() < t_end:
+            if self.w_ctrl.get_publication_matched_status().current_count > 0:
+                return True
+            time.sleep(0.01)
+        return False
+
+    # ------------------------------------------------------------------ Transport protocol
+    def send(self, message: M.Envelope) -> None:
+        k = M.kind(message)
+        if self.role == "robot" and k == "observation":
+            self._send_observation(message.observation)
+        elif self.role == "server" and k == "chunk":
+            self._send_chunk(message.chunk)
+        elif self.role == "server" and k == "estop":
+            self._write(self.w_estop, R.Bool(data=True))
+            self._write(self.w_ctrl, R.String(data=json_format.MessageToJson(message, indent=None)))
+        elif k:
+            self._write(self.w_ctrl, R.String(data=json_format.MessageToJson(message, indent=None)))
+        else:
+            raise ValueError("cannot send an empty Envelope")
+
+    def recv(self, timeout: float | None = None) -> M.Envelope | None:
+        try:
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(item, M.MessageError):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._closed = True
+        for r in self._readers:
+            try:
+                r.set_listener(None)
+            except Exception:  # pragma: no cover
+                pass
+
+    # ------------------------------------------------------------------ robot side
+    def _send_observation(self, o) -> None:
+        stamp = R.stamp_from_ns(o.stamp_ns)
+        d_a = (len(o.prefix_actions) // o.prefix_len) if o.prefix_len else 0
+        hdr = R.Header(stamp=stamp, frame_id=_meta_encode(self.frame, ep=o.episode, step=o.step, req=o.request_id,
+                                                          delay=o.delay_steps, n=len(o.images), r=int(o.request)))
+        for im in o.images:
+            if im.camera not in self.w_img:
+                raise ValueError(f"camera {im.camera!r} has no image topic; Ros2Transport(cameras=...) has {self.cameras}")
+            self._write(self.w_img[im.camera], R.Image(header=hdr, height=im.height, width=im.width, encoding="rgb8",
+                                                       is_bigendian=0, step=im.width * 3, data=list(im.data)))
+        pref = np.asarray(o.prefix_actions, np.float64).reshape(o.prefix_len, d_a) if o.prefix_len else []
+        pts = [R.JointTrajectoryPoint(positions=row.tolist(), time_from_start=self._dur(i)) for i, row in enumerate(pref)]
+        self._write(self.w_req, R.JointTrajectory(header=hdr, joint_names=self._names(d_a) if d_a else [], points=pts))
+        self._write(self.w_js, R.JointState(header=hdr, name=[f"proprio_{i}" for i in range(len(o.proprio))],
+                                            position=[float(v) for v in o.proprio]))
+
+    def _on_chunk(self, jt) -> None:
+        meta = _meta_decode(jt.header.frame_id)
+        d_a = len(jt.joint_names)
+        for i, p in enumerate(jt.points):
+            if len(p.positions) != d_a:
+                raise M.MessageError("invalid", f"chunk point {i} has {len(p.positions)} positions for "
+                                     f"{d_a} joint_names", _int(meta, "req", 0))
+        c = M.pb.ActionChunk(episode=_int(meta, "ep"), start_step=_int(meta, "step"),
+                             obs_stamp_ns=R.ns_from_stamp(jt.header.stamp), horizon=len(jt.points), action_dim=d_a,
+                             inference_s=float(meta.get("inf", 0.0)), request_id=_int(meta, "req", 0))
+        c.actions.extend([v for p in jt.points for v in p.positions])
+        M.validate_chunk(c, self.limits)
+        self._inbox.put(M.Envelope(chunk=c))
+
+    def _on_estop(self, b) -> None:
+        if b.data:
+            self._inbox.put(M.Envelope(estop=M.pb.EStop(reason="ros2 /estop")))
+
+    def _on_ctrl(self, s) -> None:
+        env = M.Envelope()
+        try:
+            json_format.Parse(s.data, env)
+        except json_format.ParseError as e:
+            raise M.MessageError("malformed", f"bridge control message is not a JSON wmrl.bridge.Envelope: {e}") from None
+        M.validate(env, self.limits)
+        if M.kind(env) == "hello":
+            self._task = env.hello.task
+        self._inbox.put(env)
+
+    # ------------------------------------------------------------------ server side
+    def _send_chunk(self, c) -> None:
+        a = M.chunk_array(c).astype(np.float64)
+        hdr = R.Header(stamp=R.stamp_from_ns(c.obs_stamp_ns),
+                       frame_id=_meta_encode(self.frame, ep=c.episode, step=c.start_step, req=c.request_id,
+                                             inf=f"{c.inference_s:.6f}"))
+        pts = [R.JointTrajectoryPoint(positions=row.tolist(), time_from_start=self._dur(i)) for i, row in enumerate(a)]
+        self._write(self.w_chunk, R.JointTrajectory(header=hdr, joint_names=self._names(a.shape[1]), points=pts))
+
+    def _part(self, stamp_ns: int) -> dict:
+        with self._lock:
+            now = time.monotonic()
+            for k in [k for k, v in self._partial.items() if now - v["t"] > 5.0]:
+                del self._partial[k]  # never completed (a lost sample): forget it
+            return self._partial.setdefault(stamp_ns, {"t": now, "images": {}, "js": None, "req": None})
+
+    def _on_js(self, js) -> None:
+        meta = _meta_decode(js.header.frame_id)
+        if len(js.name) != len(js.position):
+            raise M.MessageError("invalid", f"JointState has {len(js.name)} names but {len(js.position)} positions",
+                                 _int(meta, "req", 0))
+        p = self._part(R.ns_from_stamp(js.header.stamp))
+        p["js"] = js
+        self._try_complete(R.ns_from_stamp(js.header.stamp))
+
+    def _on_img(self, im, cam: str) -> None:
+        meta = _meta_decode(im.header.frame_id)
+        rid = _int(meta, "req", 0)
+        if im.height * im.width > self.limits.max_image_pixels:
+            raise M.MessageError("oversized", f"image {im.height}x{im.width} exceeds max_image_pixels="
+                                 f"{self.limits.max_image_pixels}", rid)
+        if im.encoding != "rgb8" or im.step != im.width * 3 or len(im.data) != im.height * im.step:
+            raise M.MessageError("invalid", f"image must be rgb8 with step=width*3 and height*step bytes; got "
+                                 f"encoding={im.encoding!r} {im.height}x{im.width} step={im.step} "
+                                 f"bytes={len(im.data)}", rid)
+        stamp = R.ns_from_stamp(im.header.stamp)
+        self._part(stamp)["images"][cam] = im
+        self._try_complete(stamp)
+
+    def _on_req(self, jt) -> None:
+        stamp = R.ns_from_stamp(jt.header.stamp)
+        self._part(stamp)["req"] = jt
+        self._try_complete(stamp)
+
+    def _try_complete(self, stamp: int) -> None:
+        with self._lock:
+            p = self._partial.get(stamp)
+            if p is None or p["js"] is None or p["req"] is None:
+                return
+            meta = _meta_decode(p["js"].header.frame_id)
+            if len(p["images"]) < _int(meta, "n", 0):
+                return
+            del self._partial[stamp]
+        js, jt = p["js"], p["req"]
+        o = M.pb.Observation(episode=_int(meta, "ep"), step=_int(meta, "step"), stamp_ns=stamp,
+                             request=bool(_int(meta, "r", 1)), request_id=_int(meta, "req", 0),
+                             delay_steps=_int(meta, "delay", 0), task=self._task)
+        o.proprio.extend(js.position)
+        for cam, im in p["images"].items():
+            o.images.add(camera=cam, height=im.height, width=im.width, data=bytes(im.data))
+        if jt.points:
+            widths = {len(pt.positions) for pt in jt.points}
+            if len(widths) != 1:
+                raise M.MessageError("invalid", f"chunk_request points have different widths {sorted(widths)}",
+                                     o.request_id)
+            o.prefix_len = len(jt.points)
+            o.prefix_actions.extend([v for pt in jt.points for v in pt.positions])
+        M.validate_observation(o, self.limits)
+        self._inbox.put(M.Envelope(observation=o))
+
+    # ------------------------------------------------------------------ helpers
+    def _dur(self, i: int) -> R.Duration:
+        ns = int(round(i * 1e9 / self.control_hz))
+        return R.Duration(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
+
+    def _names(self, d_a: int) -> list[str]:
+        if self.action_names and len(self.action_names) == d_a:
+            return list(self.action_names)
+        return ACTION_NAMES_7 if d_a == 7 else [f"a{i}" for i in range(d_a)]

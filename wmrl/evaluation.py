@@ -1,0 +1,272 @@
+"""Benchmark runner: success rates with confidence intervals, per-episode tables and videos.
+
+``evaluate_policy`` runs a policy (or a scripted-expert actor) on every task of a suite.
+Episode ``j`` of task ``t`` always starts from evaluation init state ``j`` (mod the number of
+states) with seed ``episode_seed(seed, t, j)``, whatever the batch size: episodes are taken from
+one queue by whichever slot is free, each slot runs one episode at a time, and a policy is sampled
+per episode with that episode's own ``torch.Generator`` (``per_episode_sampling=True``), so the
+numbers of one episode never depend on its batch neighbours. With 50 episodes per task every
+evaluation init state is used exactly once.
+
+The suite and the actors are duck-typed (``wmrl`` never imports ``sim``):
+
+* suite: ``task_names``, ``eval_start(task, j) -> Start``, ``make_env(num_envs, auto_reset=False,
+  cameras=...) -> env`` with ``reset_slots(slots, starts) -> Obs``, ``step(actions) -> StepResult``
+  (``info["episode_length"]``), ``record(slot, camera, size)``, ``take_frames(slot)``;
+  optionally ``describe() -> dict``.
+* actor: ``chunk_size``, ``begin(slot, task_name, seed)``, ``act(env, obs, active) -> (B, H, D_a)``
+  and ``needs_images`` (``False`` lets the runner skip rendering cameras).
+  Any ``wmrl.interfaces.Policy`` is wrapped in :class:`PolicyActor`.
+
+Confidence intervals: Wilson score interval (Wilson 1927; Brown, Cai & DasGupta 2001 recommend it
+over the normal approximation for small ``n``).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import logging
+import math
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+log = logging.getLogger("wmrl.evaluation")
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (95 % by default).
+
+    Returns ``(low, high)`` in [0, 1]; ``(0.0, 1.0)`` when ``n == 0``.
+
+    Raises:
+        ValueError: ``successes`` outside ``[0, n]``.
+    """
+    if n < 0 or not 0 <= successes <= max(n, 0):
+        raise ValueError(f"need 0 <= successes <= n, got successes={successes}, n={n}")
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    lo = 0.0 if successes == 0 else max(0.0, centre - half)
+    hi = 1.0 if successes == n else min(1.0, centre + half)
+    return lo, hi
+
+
+def episode_seed(seed: int, task: str, j: int) -> int:
+    """Seed of evaluation episode ``j`` of ``task`` (a 32-bit int from ``numpy.random.SeedSequence``)."""
+    return int(np.random.SeedSequence([int(seed), zlib.crc32(task.encode()), int(j)]).generate_state(1)[0])
+
+
+class PolicyActor:
+    """Adapts a ``wmrl.interfaces.Policy`` to the runner.
+
+    Args:
+        policy: has ``chunk_size``, ``action_dim`` and ``sample(obs, generator) -> PolicySample``.
+        per_episode_sampling: sample each active slot separately with its episode's generator
+            (results independent of the batch size); ``False`` samples the whole batch at once with
+            one generator (faster, but an episode's noise then depends on its neighbours).
+        device: where observations are moved before ``sample``.
+    """
+
+    needs_images = True
+
+    def __init__(self, policy, per_episode_sampling: bool = True, device: str | torch.device = "cpu"):
+        for attr in ("chunk_size", "action_dim", "sample"):
+            if not hasattr(policy, attr):
+                raise TypeError(f"{type(policy).__name__} is not a Policy: it has no {attr!r}")
+        self.policy = policy
+        self.chunk_size = int(policy.chunk_size)
+        self.per_episode = bool(per_episode_sampling)
+        self.device = torch.device(device)
+        self._gens: dict[int, torch.Generator] = {}
+        self._batch_gen: torch.Generator | None = None
+
+    def begin(self, slot: int, task_name: str, seed: int) -> None:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(int(seed))
+        self._gens[slot] = g
+        if self._batch_gen is None:
+            self._batch_gen = torch.Generator(device=self.device)
+            self._batch_gen.manual_seed(int(seed))
+
+    @torch.no_grad()
+    def act(self, env, obs, active) -> torch.Tensor:
+        b_all = obs.batch_size
+        out = torch.zeros(b_all, self.chunk_size, int(self.policy.action_dim))
+        idx = [b for b in range(b_all) if active[b]]
+        if not idx:
+            return out
+        if self.per_episode:
+            for b in idx:
+                a = self.policy.sample(obs.index([b]).to(self.device), self._gens[b]).actions
+                out[b] = a[0].float().cpu()
+        else:
+            a = self.policy.sample(obs.index(idx).to(self.device), self._batch_gen).actions
+            out[idx] = a.float().cpu()
+        return out
+
+
+def _write_video(path: Path, frames: list[np.ndarray], fps: int) -> None:
+    import imageio.v2 as imageio
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with imageio.get_writer(path, fps=fps, codec="libx264", quality=7, macro_block_size=1) as w:
+        for f in frames:
+            w.append_data(np.asarray(f, dtype=np.uint8))
+
+
+def evaluate_policy(policy_or_actor, suite, episodes_per_task: int = 50, batch_size: int = 10, seed: int = 0,
+                    out_dir: str | Path | None = None, videos_per_task: int = 2, video_camera: str = "agentview",
+                    video_size: tuple[int, int] = (128, 128), tasks: list[str] | None = None,
+                    per_episode_sampling: bool = True, device: str = "cpu", fps: int = 20,
+                    progress: bool = True) -> dict[str, Any]:
+    """Evaluate on every task of ``suite``; returns the report dict (also written to ``out_dir``).
+
+    Args:
+        policy_or_actor: a ``Policy`` (wrapped in :class:`PolicyActor`) or an actor (e.g.
+            ``suite.make_expert(noise)``).
+        suite: the task suite (see module docstring).
+        episodes_per_task: episodes per task; episode ``j`` uses eval init state ``j``.
+        batch_size: parallel environments ``B`` (results do not depend on it).
+        seed: base seed of the per-episode seeds.
+        out_dir: where ``episodes.csv``, ``episodes.json`` and ``videos/<task>_ep<j>.mp4`` go
+            (nothing is written when ``None``).
+        videos_per_task: the first ``n`` episodes of each task are filmed from ``video_camera`` at
+            ``video_size`` (``(Hi, Wi)``), every control step, ``fps`` frames/s.
+        tasks: subset of the suite's tasks (default: all).
+
+    Returns:
+        ``{"tasks": {task: {success_rate, ci95: [lo, hi], successes, episodes, mean_length,
+        mean_length_success}}, "overall": {...}, "episodes": [rows], "episodes_sha256", ...}``
+        where a row is ``{task, episode, init_index, seed, success, length, reward}``.
+
+    Raises:
+        ValueError: ``episodes_per_task < 1``, ``batch_size < 1`` or a task not in the suite.
+    """
+    if episodes_per_task < 1:
+        raise ValueError(f"episodes_per_task must be >= 1, got {episodes_per_task}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    task_names = list(tasks) if tasks else list(suite.task_names)
+    for t in task_names:
+        if t not in suite.task_names:
+            raise ValueError(f"task {t!r} is not in the suite (tasks: {suite.task_names})")
+    actor = policy_or_actor if hasattr(policy_or_actor, "begin") else PolicyActor(
+        policy_or_actor, per_episode_sampling=per_episode_sampling, device=device)
+    out = Path(out_dir) if out_dir is not None else None
+
+    queue = [(t, j) for t in task_names for j in range(episodes_per_task)]
+    B = min(int(batch_size), len(queue))
+    cams = None if getattr(actor, "needs_images", True) else ()
+    env = suite.make_env(B, auto_reset=False, cameras=cams)
+    slot_ep: list[tuple | None] = [None] * B
+    slot_reward = np.zeros(B)
+    rows: dict[tuple[str, int], dict] = {}
+    qpos = 0
+
+    def assign(slots):
+        nonlocal qpos
+        starts, used = [], []
+        for b in slots:
+            if qpos >= len(queue):
+                slot_ep[b] = None
+                continue
+            t, j = queue[qpos]
+            qpos += 1
+            s = suite.eval_start(t, j)
+            sd = episode_seed(seed, t, j)
+            film = out is not None and j < videos_per_task
+            env.record(b, video_camera if film else None, video_size)
+            actor.begin(b, t, sd)
+            slot_ep[b] = (t, j, s.init_index, sd, film)
+            slot_reward[b] = 0.0
+            starts.append(s)
+            used.append(b)
+        return env.reset_slots(used, starts) if used else None
+
+    obs = assign(range(B))
+    bar = tqdm(total=len(queue), desc="evaluate", disable=not progress, unit="ep")
+    while any(e is not None for e in slot_ep):
+        active = [e is not None for e in slot_ep]
+        res = env.step(actor.act(env, obs, active))
+        slot_reward += res.reward.numpy()
+        done = (res.terminated | res.truncated).numpy()
+        lengths = res.info["episode_length"].numpy()
+        finished = []
+        for b in range(B):
+            if slot_ep[b] is None or not done[b]:
+                continue
+            t, j, idx, sd, film = slot_ep[b]
+            rows[(t, j)] = {"task": t, "episode": j, "init_index": int(idx), "seed": int(sd),
+                            "success": bool(res.success[b]), "length": int(lengths[b]),
+                            "reward": float(slot_reward[b])}
+            if film:
+                frames = env.take_frames(b)
+                if frames:
+                    name = f"{t}_ep{j:03d}_{'success' if res.success[b] else 'failure'}.mp4"
+                    _write_video(out / "videos" / name, frames, fps)
+            finished.append(b)
+            bar.update(1)
+        obs = res.obs
+        if finished:
+            new_obs = assign(finished)
+            obs = new_obs if new_obs is not None else obs
+    bar.close()
+
+    table = [rows[(t, j)] for t in task_names for j in range(episodes_per_task)]
+    per_task = {}
+    for t in task_names:
+        r = [x for x in table if x["task"] == t]
+        k = sum(x["success"] for x in r)
+        lo, hi = wilson_interval(k, len(r))
+        succ_len = [x["length"] for x in r if x["success"]]
+        per_task[t] = {"success_rate": k / len(r), "ci95": [lo, hi], "successes": k, "episodes": len(r),
+                       "mean_length": float(np.mean([x["length"] for x in r])),
+                       "mean_length_success": float(np.mean(succ_len)) if succ_len else None}
+    k_all = sum(x["success"] for x in table)
+    lo, hi = wilson_interval(k_all, len(table))
+    digest = hashlib.sha256(json.dumps(
+        [[x["task"], x["episode"], x["init_index"], x["seed"], x["success"], x["length"]] for x in table]
+    ).encode()).hexdigest()
+    report = {
+        "tasks": per_task,
+        "overall": {"success_rate": k_all / len(table), "ci95": [lo, hi], "successes": k_all,
+                    "episodes": len(table), "mean_task_success_rate": float(np.mean([v["success_rate"] for v in per_task.values()]))},
+        "episodes_per_task": episodes_per_task, "batch_size": B, "seed": seed,
+        "episodes_sha256": digest,
+        "suite": suite.describe() if hasattr(suite, "describe") else None,
+        "episodes": table,
+    }
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "episodes.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(table[0]))
+            w.writeheader()
+            w.writerows(table)
+        (out / "episodes.json").write_text(json.dumps(table, indent=1))
+        report["videos"] = sorted(str(p.relative_to(out)) for p in (out / "videos").glob("*.mp4")) \
+            if (out / "videos").is_dir() else []
+    for t, v in per_task.items():
+        log.info("%-22s success %.2f  (95%% CI %.2f-%.2f, n=%d)  mean length %.1f", t, v["success_rate"],
+                 v["ci95"][0], v["ci95"][1], v["episodes"], v["mean_length"])
+    return report
+
+
+def format_report(report: dict) -> str:
+    """A plain-text table of a report's per-task results."""
+    lines = [f"{'task':<24}{'success':>8}  {'95% CI':>13}  {'n':>4}  {'mean len':>8}"]
+    for t, v in report["tasks"].items():
+        lines.append(f"{t:<24}{v['success_rate']:>8.2f}  {v['ci95'][0]:>6.2f}-{v['ci95'][1]:<6.2f}  "
+                     f"{v['episodes']:>4}  {v['mean_length']:>8.1f}")
+    o = report["overall"]
+    lines.append(f"{'overall':<24}{o['success_rate']:>8.2f}  {o['ci95'][0]:>6.2f}-{o['ci95'][1]:<6.2f}  {o['episodes']:>4}")
+    return "\n".join(lines)

@@ -39,3 +39,42 @@ def test_window_batch_converts_to_obs(tmp_path):
     assert obs.batch_size == 2 and b["actions"].dtype == torch.float32
     assert b["obs_pad"].dtype == torch.bool and b["action_pad"].dtype == torch.bool
     np.testing.assert_array_equal(obs.images[AGENTVIEW][1].numpy(), random_episode(5, cams, seed=0).images[AGENTVIEW][4])
+
+
+# ---------------------------------------------------------------------- ChunkEnv: sim.env.SimEnv
+# (section owned by the sim package)
+def _simenv_lifted_start(suite):
+    """A lift_red start whose cube is already 10 cm up: the task succeeds at the first inner step."""
+    from sim.env import TaskEnv
+    from wmrl.types import Start
+
+    env = TaskEnv("two_cubes", cameras=())
+    env.reset("lift_red", suite.init_state("lift_red", "eval", 0))
+    jnt = env.rs.objects["red"].joints[0]
+    q = env.sim.data.get_joint_qpos(jnt).copy()
+    q[2] += 0.10
+    env.sim.data.set_joint_qpos(jnt, q)
+    env.sim.forward()
+    return Start("lift_red", "lift the red cube", sim_state=env.sim_state())
+
+
+def test_simenv_is_a_chunk_env_with_inner_step_termination_and_partial_auto_reset():
+    import pytest
+
+    from sim.suite import Suite
+    from wmrl.interfaces import ChunkEnv
+
+    suite = Suite(tasks=["lift_red"], image_size=(32, 32))
+    env = suite.make_env(2, auto_reset=True)
+    assert isinstance(env, ChunkEnv) and env.num_envs == 2 and env.action_dim == 7
+    obs0 = env.reset([_simenv_lifted_start(suite), suite.eval_start("lift_red", 1)]).validate()
+    res = env.step(torch.zeros(2, 4, 7))
+    res.obs.validate()
+    assert res.steps_executed.dtype == torch.int64 and res.steps_executed.tolist() == [1, 4]
+    assert res.reward.dtype == torch.float32 and res.reward.tolist() == [1.0, 0.0]
+    assert res.terminated.tolist() == [True, False] and res.truncated.tolist() == [False, False]
+    assert res.success.tolist() == [True, False] and res.done.tolist() == [True, False]
+    assert torch.equal(res.obs.images[AGENTVIEW][0], obs0.images[AGENTVIEW][0])  # slot 0 reset, slot 1 not
+    assert "final_obs" in res.info and res.info["final_obs"].batch_size == 2
+    with pytest.raises(ValueError):
+        env.step(torch.zeros(2, 7))

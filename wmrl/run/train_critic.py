@@ -1,0 +1,50 @@
+"""``wmrl train-critic``: train the progress-value critic on an EpisodeStore.
+
+Example::
+
+    wmrl train-critic store=runs/collect/store hydra.run.dir=runs/critic
+
+Successful episodes give progress ``t / (T-1)`` and success labels on their last
+``train.success_tail`` steps; failed episodes give low progress and no success. Held-out episodes
+(``i % heldout_every == heldout_every - 1``) give the AUROC in the report. Resumable
+(``resume=true``). The loop itself is ``worldmodels.train.train_critic``.
+"""
+
+from __future__ import annotations
+
+import hydra
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from wmrl.run.common import RunContext
+from wmrl.run.train_worldmodel import check_image_size, load_splits
+
+
+def run(cfg: DictConfig, ctx: RunContext) -> dict:
+    from worldmodels.train import train_critic
+
+    critic_cfg = OmegaConf.to_container(cfg.critic, resolve=True)
+    train, held, _ = load_splits(ctx.path(cfg.store), cfg.heldout_every, critic_cfg["cameras"])
+    check_image_size(critic_cfg["image_size"], train)
+    critic = instantiate(cfg.critic, _convert_="all")
+    tc = cfg.train
+    report = train_critic(
+        critic, critic_cfg, train, ctx.out_dir, heldout=held, steps=int(tc.steps), batch_size=int(tc.batch_size),
+        lr=float(tc.lr), weight_decay=float(tc.weight_decay), warmup=int(tc.warmup),
+        success_tail=int(tc.success_tail), fail_progress=float(tc.fail_progress), max_minutes=tc.max_minutes,
+        log_every=int(tc.log_every), eval_every=int(tc.eval_every), checkpoint_every=int(tc.checkpoint_every),
+        resume=bool(cfg.resume), tensorboard=bool(tc.tensorboard), progress=bool(cfg.progress),
+        seed=int(cfg.seed), augment=bool(tc.augment))
+    report.update(store=str(ctx.path(cfg.store)), train_episodes=train.num_episodes,
+                  heldout_episodes=held.num_episodes, train_success_rate=float(train.success.mean()))
+    return report
+
+
+@hydra.main(version_base="1.3", config_path="pkg://configs", config_name="train_critic")
+def main(cfg: DictConfig) -> None:
+    ctx = RunContext(cfg)
+    ctx.finish(run(cfg, ctx))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""``wmrl train-worldmodel``: train the action-conditioned video world model on an EpisodeStore.
+
+Example::
+
+    wmrl train-worldmodel store=runs/collect/store hydra.run.dir=runs/wm
+    wmrl train-worldmodel store=... worldmodel.block_out_channels=[64,128,128] train.max_minutes=30
+
+Episodes ``i % heldout_every == heldout_every - 1`` are held out (quick PSNR checks and
+real-vs-imagined videos in ``<run>/videos`` and TensorBoard ``<run>/tb``). Resumes from
+``<run>/checkpoints/last`` when ``resume=true``. The loop itself is ``worldmodels.train.train_world_model``.
+"""
+
+from __future__ import annotations
+
+import hydra
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from wmrl.run.common import RunContext
+
+
+def load_splits(store_path, heldout_every: int, cameras):
+    """(train, heldout) ``EpisodeFrames`` of an EpisodeStore, split by episode index."""
+    from wmrl.storage import EpisodeStore
+    from worldmodels.data import EpisodeFrames, heldout_episodes
+
+    store = EpisodeStore.open(store_path, mode="r")
+    missing = [c for c in cameras if c not in store.cameras]
+    if missing:
+        raise ValueError(f"the model wants cameras {missing} that the store {store_path} lacks "
+                         f"(it has {list(store.cameras)}); set worldmodel.cameras / critic.cameras")
+    tr, ho = heldout_episodes(len(store), int(heldout_every))
+    return EpisodeFrames.from_store(store, tr, cameras), EpisodeFrames.from_store(store, ho, cameras), store
+
+
+def check_image_size(model_size, data) -> None:
+    size = tuple(model_size) if not isinstance(model_size, int) else (model_size, model_size)
+    if size != data.image_size:
+        raise ValueError(f"the store's images are {data.image_size}, the config says image_size={size}; "
+                         "set image_size to match")
+
+
+def run(cfg: DictConfig, ctx: RunContext) -> dict:
+    from worldmodels.train import train_world_model
+
+    model_cfg = OmegaConf.to_container(cfg.worldmodel, resolve=True)
+    train, held, store = load_splits(ctx.path(cfg.store), cfg.heldout_every, model_cfg["cameras"])
+    check_image_size(model_cfg["image_size"], train)
+    model = instantiate(cfg.worldmodel, _convert_="all")
+    tc = cfg.train
+    report = train_world_model(
+        model, model_cfg, train, ctx.out_dir, heldout=held, steps=int(tc.steps), batch_size=int(tc.batch_size),
+        lr=float(tc.lr), weight_decay=float(tc.weight_decay), warmup=int(tc.warmup), grad_clip=float(tc.grad_clip),
+        max_minutes=tc.max_minutes, log_every=int(tc.log_every), eval_every=int(tc.eval_every),
+        checkpoint_every=int(tc.checkpoint_every), video_chunks=int(tc.video_chunks), resume=bool(cfg.resume),
+        tensorboard=bool(tc.tensorboard), progress=bool(cfg.progress), seed=int(cfg.seed),
+        p_deterministic=float(tc.p_deterministic), p_pure_noise=float(tc.p_pure_noise))
+    report.update(store=str(ctx.path(cfg.store)), train_episodes=train.num_episodes,
+                  heldout_episodes=held.num_episodes)
+    return report
+
+
+@hydra.main(version_base="1.3", config_path="pkg://configs", config_name="train_worldmodel")
+def main(cfg: DictConfig) -> None:
+    ctx = RunContext(cfg)
+    ctx.finish(run(cfg, ctx))
+
+
+if __name__ == "__main__":
+    main()

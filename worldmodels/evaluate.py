@@ -1,0 +1,160 @@
+"""World-model and critic fidelity metrics on held-out episodes.
+
+* :func:`horizon_metrics`: PSNR and SSIM (torchmetrics) ``k = 1..K`` chunks ahead, autoregressive
+  (the model's own predictions are fed back), against copy-the-last-frame (the frame at the start of
+  the rollout). PSNR is computed from the aggregate MSE over all rollouts and pixels at a horizon
+  (so identical frames do not give infinite means), images scaled to [0, 1].
+* :func:`action_following`: one-chunk-ahead pixel MSE with the true actions against the MSE with
+  the actions of another held-out episode at the same step.
+* :func:`critic_auroc`: AUROC of ``success_prob`` on each episode's final frame, success vs failure.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torchmetrics.functional.classification import binary_auroc
+from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+
+from worldmodels.data import EpisodeFrames, split_cameras
+from worldmodels.video_wm import ChunkFlowWorldModel, WMState, to_unit
+
+
+def _to01(x: torch.Tensor) -> torch.Tensor:
+    return (x.float().clamp(-1, 1) + 1) / 2
+
+
+@torch.no_grad()
+def horizon_metrics(model: ChunkFlowWorldModel, data: EpisodeFrames, max_chunks: int = 8, start_stride: int = 8,
+                    batch_size: int = 64, generator: torch.Generator | None = None) -> dict:
+    """Autoregressive PSNR / SSIM per horizon against copy-last-frame.
+
+    Rollouts start at steps ``0, start_stride, 2*start_stride, ...`` of every episode of ``data``
+    and run with the episode's true actions; horizon ``k`` is scored on the rollouts whose frame
+    ``t0 + k*H`` exists.
+
+    Returns:
+        ``{"horizon": [1..K], "psnr": [...], "psnr_copy": [...], "ssim": [...], "ssim_copy": [...],
+        "psnr_per_camera": {cam: [...]}, "n": [...]}`` (dB for PSNR).
+    """
+    H = model.chunk_size
+    dev = model.proprio_mean.device
+    starts = [(e, t) for e in range(data.num_episodes) for t in range(0, int(data.lengths[e]) - H, start_stride)]
+    if not starts:
+        raise ValueError(f"no held-out episode is longer than one chunk (H={H})")
+    sums = {k: {"se": 0.0, "se_copy": 0.0, "npix": 0, "ssim": 0.0, "ssim_copy": 0.0, "n": 0,
+                "cam_se": np.zeros(len(model.cameras))} for k in range(1, max_chunks + 1)}
+    for i in range(0, len(starts), batch_size):
+        chunk = starts[i: i + batch_size]
+        ep = np.array([e for e, _ in chunk])
+        t0 = np.array([t for _, t in chunk])
+        g0 = data.offsets[ep] + t0
+        first = torch.from_numpy(data.images[g0]).to(dev)
+        state = WMState(to_unit(first), torch.from_numpy(data.proprio[g0]).to(dev), [data.instructions[e] for e in ep])
+        for k in range(1, max_chunks + 1):
+            valid = t0 + k * H <= data.lengths[ep] - 1
+            if not valid.any():
+                break
+            a_idx = np.minimum(t0[:, None] + (k - 1) * H + np.arange(H)[None], data.lengths[ep][:, None] - 1)
+            acts = torch.from_numpy(data.actions[data.offsets[ep][:, None] + a_idx]).to(dev)
+            state, _ = model.imagine(state, acts, generator=generator)
+            v = torch.from_numpy(valid)
+            gt = torch.from_numpy(data.images[data.offsets[ep[valid]] + t0[valid] + k * H]).to(dev)
+            pred = _to01(state.frames[v.to(dev)])
+            tgt = _to01(to_unit(gt))
+            copy = _to01(to_unit(first[v.to(dev)]))
+            s = sums[k]
+            s["se"] += float((pred - tgt).pow(2).sum())
+            s["se_copy"] += float((copy - tgt).pow(2).sum())
+            s["npix"] += tgt.numel()
+            for c in range(len(model.cameras)):
+                s["cam_se"][c] += float((pred[:, 3 * c: 3 * c + 3] - tgt[:, 3 * c: 3 * c + 3]).pow(2).sum())
+            s["ssim"] += float(structural_similarity_index_measure(pred, tgt, data_range=1.0, reduction="sum"))
+            s["ssim_copy"] += float(structural_similarity_index_measure(copy, tgt, data_range=1.0, reduction="sum"))
+            s["n"] += int(valid.sum())
+
+    def db(se, npix):
+        return float(-10 * np.log10(max(se / max(npix, 1), 1e-10)))
+
+    ks = [k for k in sums if sums[k]["n"] > 0]
+    out = {"horizon": ks,
+           "psnr": [db(sums[k]["se"], sums[k]["npix"]) for k in ks],
+           "psnr_copy": [db(sums[k]["se_copy"], sums[k]["npix"]) for k in ks],
+           "ssim": [sums[k]["ssim"] / sums[k]["n"] for k in ks],
+           "ssim_copy": [sums[k]["ssim_copy"] / sums[k]["n"] for k in ks],
+           "n": [sums[k]["n"] for k in ks],
+           "psnr_per_camera": {c: [db(sums[k]["cam_se"][j], sums[k]["npix"] / len(model.cameras)) for k in ks]
+                               for j, c in enumerate(model.cameras)}}
+    out["psnr_gain"] = [a - b for a, b in zip(out["psnr"], out["psnr_copy"])]
+    # the same PSNR via torchmetrics on one batch, as a cross-check of the aggregate formula
+    out["psnr_definition"] = "10*log10(1/MSE) over all pixels of all rollouts at a horizon, images in [0,1]"
+    return out
+
+
+@torch.no_grad()
+def action_following(model: ChunkFlowWorldModel, data: EpisodeFrames, n: int = 256, seed: int = 0,
+                     batch_size: int = 64) -> dict:
+    """One-chunk-ahead pixel MSE with the true actions vs with the actions of a *different* held-out
+    episode at the same step (same start frames). Returns ``{"mse_true", "mse_mismatched",
+    "reduction"}`` where ``reduction = 1 - mse_true / mse_mismatched`` (target >= 0.2)."""
+    H = model.chunk_size
+    rng = np.random.default_rng(seed)
+    eps, ts = data.window_starts(H)
+    if len(set(eps.tolist())) < 2:
+        raise ValueError("action following needs at least two held-out episodes")
+    pick = rng.choice(len(eps), size=min(n, len(eps)), replace=False)
+    ep, t = eps[pick], ts[pick]
+    other = np.empty_like(ep)
+    for i in range(len(ep)):
+        cands = np.flatnonzero(eps != ep[i])
+        # prefer the same step in the other episode, else the nearest step it has
+        same = cands[ts[cands] == t[i]]
+        other[i] = rng.choice(same) if len(same) else rng.choice(cands)
+    dev = model.proprio_mean.device
+    se_true = se_mis = 0.0
+    npix = 0
+    for i in range(0, len(ep), batch_size):
+        w = data.windows(ep[i: i + batch_size], t[i: i + batch_size], H)
+        wm = data.windows(eps[other[i: i + batch_size]], ts[other[i: i + batch_size]], H)
+        f, p = to_unit(w.frames.to(dev)), w.proprio.to(dev)
+        tgt = to_unit(w.next_frames.to(dev))
+        pt = (f + model.sample_residual(f, p, w.actions.to(dev))).clamp(-1, 1)
+        pm = (f + model.sample_residual(f, p, wm.actions.to(dev))).clamp(-1, 1)
+        se_true += float(((pt - tgt) / 2).pow(2).sum())
+        se_mis += float(((pm - tgt) / 2).pow(2).sum())
+        npix += tgt.numel()
+    mt, mm = se_true / npix, se_mis / npix
+    return {"mse_true": mt, "mse_mismatched": mm, "reduction": 1.0 - mt / max(mm, 1e-12), "n": int(len(ep))}
+
+
+@torch.no_grad()
+def critic_auroc(critic, data: EpisodeFrames, last_k: int = 1) -> dict:
+    """AUROC of the critic's success probability (max over each episode's last ``last_k`` frames)
+    separating successful from failed episodes of ``data``; ``auroc`` is ``None`` when only one
+    class is present. Also reports the mean progress on final frames per class."""
+    scores, prog, labels = [], [], []
+    for e in range(data.num_episodes):
+        T = int(data.lengths[e])
+        g = data.offsets[e] + np.arange(max(0, T - last_k), T)
+        obs_imgs = split_cameras(torch.from_numpy(data.images[g]), data.cameras)
+        from wmrl.types import Obs
+
+        obs = Obs(obs_imgs, torch.from_numpy(data.proprio[g]), [data.instructions[e]] * len(g))
+        p, s = critic.evaluate(obs)
+        scores.append(float(s.max()))
+        prog.append(float(p[-1]))
+        labels.append(bool(data.success[e]))
+    y = torch.tensor(labels)
+    sc = torch.tensor(scores)
+    au = float(binary_auroc(sc, y.long())) if 0 < int(y.sum()) < len(y) else None
+    pr = torch.tensor(prog)
+    return {"auroc": au, "n_success": int(y.sum()), "n_failure": int((~y).sum()),
+            "final_progress_success": float(pr[y].mean()) if y.any() else None,
+            "final_progress_failure": float(pr[~y].mean()) if (~y).any() else None,
+            "success_prob_success": float(sc[y].mean()) if y.any() else None,
+            "success_prob_failure": float(sc[~y].mean()) if (~y).any() else None}
+
+
+def torchmetrics_psnr(pred01: torch.Tensor, target01: torch.Tensor) -> float:
+    """torchmetrics PSNR over a whole batch in [0, 1] (same definition as :func:`horizon_metrics`)."""
+    return float(peak_signal_noise_ratio(pred01, target01, data_range=1.0))

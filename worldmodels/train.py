@@ -1,0 +1,341 @@
+"""Reusable training loops for the world model and the progress critic (called by
+``wmrl train-worldmodel`` / ``wmrl train-critic`` and by the pipeline).
+
+Both loops: AdamW with linear warm-up and cosine decay, bfloat16 autocast inside the models,
+tqdm progress, TensorBoard scalars under ``out_dir/tb``, checkpoints (``wmrl.checkpoint`` folders:
+``config.yaml`` + ``model.safetensors`` + optimizer state in ``extra.safetensors`` + step in
+``meta.json``) under ``out_dir/checkpoints/step_<n>`` and ``.../last``; with ``resume=True`` they
+continue from ``last`` (model, optimizer, step and data RNG). A wall-clock budget
+(``max_minutes``) stops training early and still checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from wmrl.checkpoint import load_checkpoint, load_checkpoint_meta, load_extra_tensors, save_checkpoint
+from worldmodels.critic import ProgressValueCritic
+from worldmodels.data import EpisodeFrames
+from worldmodels.video_wm import ChunkFlowWorldModel, to_uint8, to_unit
+
+
+# ---------------------------------------------------------------------------- optimizer state
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Flatten an optimizer's state into named tensors plus JSON metadata (no pickle)."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"opt.{pid}.{k}"] = v
+            else:
+                scalars[f"{pid}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Inverse of :func:`optimizer_tensors`."""
+    state: dict[int, dict[str, Any]] = {}
+    for name, v in tensors.items():
+        if not name.startswith("opt."):
+            continue
+        _, pid, k = name.split(".", 2)
+        state.setdefault(int(pid), {})[k] = v
+    for key, v in meta.get("scalars", {}).items():
+        pid, k = key.split(".", 1)
+        state.setdefault(int(pid), {})[k] = v
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
+    """Linear warm-up for ``warmup`` steps, then cosine decay to 10 % of ``lr`` at ``total``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _save(model, config: dict, opt, step: int, rng: np.random.Generator, out_dir: Path, tag: str | None,
+          extra_meta: dict | None = None) -> Path:
+    tens, meta = optimizer_tensors(opt)
+    meta = {"step": step, "optimizer": meta, "rng": rng.bit_generator.state, **(extra_meta or {})}
+    meta = json.loads(json.dumps(meta, default=float))
+    ck = out_dir / "checkpoints"
+    last = save_checkpoint(model, ck / "last", config, extra_tensors=tens, meta=meta)
+    if tag:
+        save_checkpoint(model, ck / tag, config, extra_tensors=tens, meta=meta)
+    return last
+
+
+def _resume(out_dir: Path, opt_factory):
+    last = out_dir / "checkpoints" / "last"
+    if not (last / "model.safetensors").is_file():
+        return None
+    model = load_checkpoint(last)
+    opt = opt_factory(model)
+    meta = load_checkpoint_meta(last)
+    load_optimizer_tensors(opt, load_extra_tensors(last), meta["optimizer"])
+    rng = np.random.default_rng()
+    rng.bit_generator.state = meta["rng"]
+    return model, opt, int(meta["step"]), rng
+
+
+def _writer(out_dir: Path, enabled: bool):
+    if not enabled:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(out_dir / "tb"))
+
+
+# ---------------------------------------------------------------------------- videos
+@torch.no_grad()
+def side_by_side_video(model: ChunkFlowWorldModel, data: EpisodeFrames, episode: int, n_chunks: int,
+                       path: Path | None = None, fps: int = 4) -> np.ndarray:
+    """Autoregressive imagination of ``n_chunks`` chunks of held-out ``episode`` (position in
+    ``data``) with its true actions, next to the real frames.
+
+    Each video frame is ``[real cam 1 | imagined cam 1 | real cam 2 | imagined cam 2]`` at chunk
+    boundaries. Returns ``uint8 (N, Hi, n_cam * 2 * Wi, 3)`` and writes an mp4 to ``path`` if given.
+    """
+    H = model.chunk_size
+    T = int(data.lengths[episode])
+    n = max(0, min(n_chunks, (T - 1) // H))
+    state = model.init(data.obs_at(episode, 0).to(model.proprio_mean.device))
+    frames = []
+    for k in range(n + 1):
+        real = torch.from_numpy(data.images[data.step_index(episode, k * H)])
+        imag = to_uint8(state.frames[0]).cpu()
+        cols = []
+        for c in range(len(model.cameras)):
+            cols += [real[3 * c: 3 * c + 3], imag[3 * c: 3 * c + 3]]
+        frames.append(torch.cat(cols, dim=2).permute(1, 2, 0).numpy())
+        if k < n:
+            g = data.step_index(episode, k * H)
+            a = torch.from_numpy(data.actions[g: g + H])[None].to(model.proprio_mean.device)
+            state, _ = model.imagine(state, a)
+    video = np.stack(frames)
+    if path is not None:
+        import imageio.v2 as imageio
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        big = video.repeat(2, axis=1).repeat(2, axis=2)  # 2x nearest upscale for viewing
+        imageio.mimwrite(str(path), list(big), fps=fps, macro_block_size=1)
+    return video
+
+
+# ---------------------------------------------------------------------------- world model
+def fit_world_model_stats(model: ChunkFlowWorldModel, data: EpisodeFrames) -> None:
+    """Set the model's proprio / proprio-change stats from every window of ``data``."""
+    eps, ts = data.window_starts(model.chunk_size)
+    g = data.offsets[eps] + ts
+    p = torch.from_numpy(data.proprio[g])
+    d = torch.from_numpy(data.proprio[g + model.chunk_size]) - p
+    model.set_norm_stats(p, d)
+
+
+@torch.no_grad()
+def one_chunk_psnr(model: ChunkFlowWorldModel, data: EpisodeFrames, n: int = 64, seed: int = 0) -> tuple[float, float]:
+    """Quick held-out check: (PSNR of the model, PSNR of copy-last-frame) one chunk ahead, in dB,
+    over ``n`` random windows (aggregate MSE)."""
+    w = data.sample_windows(n, model.chunk_size, np.random.default_rng(seed))
+    dev = model.proprio_mean.device
+    res = model.sample_residual(to_unit(w.frames.to(dev)), w.proprio.to(dev), w.actions.to(dev))
+    pred = (to_unit(w.frames.to(dev)) + res).clamp(-1, 1)
+    tgt = to_unit(w.next_frames.to(dev))
+    base = to_unit(w.frames.to(dev))
+
+    def psnr(x):
+        mse = ((x - tgt) / 2).pow(2).mean().clamp_min(1e-10)
+        return float(-10 * torch.log10(mse))
+
+    return psnr(pred), psnr(base)
+
+
+def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: EpisodeFrames, out_dir: Path,
+                      heldout: EpisodeFrames | None = None, steps: int = 2000, batch_size: int = 32,
+                      lr: float = 1e-3, weight_decay: float = 1e-4, warmup: int = 50, grad_clip: float = 1.0,
+                      max_minutes: float | None = None, log_every: int = 25, eval_every: int = 250,
+                      checkpoint_every: int = 250, video_chunks: int = 8, resume: bool = True,
+                      tensorboard: bool = True, progress: bool = True, seed: int = 0,
+                      p_deterministic: float = 0.25, p_pure_noise: float = 0.25) -> dict:
+    """Train ``model`` on chunk windows of ``train``; returns a report dict.
+
+    ``model_config`` is the model's constructor arguments (saved in the checkpoint). Stats are fitted
+    from ``train`` unless resuming. ``max_minutes`` bounds wall-clock time (checkpoint at the end).
+    """
+    out_dir = Path(out_dir)
+    H = model.chunk_size
+
+    def make_opt(m):
+        return torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=weight_decay)
+
+    resumed = _resume(out_dir, make_opt) if resume else None
+    if resumed is not None:
+        model, opt, step, rng = resumed
+    else:
+        fit_world_model_stats(model, train)
+        opt, step, rng = make_opt(model), 0, np.random.default_rng(seed)
+    start_step = step
+    gen = torch.Generator().manual_seed(seed + step)
+    writer = _writer(out_dir, tensorboard)
+    t0 = time.time()
+    model.train()
+    hist: list[float] = []
+    bar = tqdm(total=steps, initial=step, desc="train world model", disable=not progress, dynamic_ncols=True)
+    stopped_by_time = False
+    while step < steps:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup)
+        w = train.sample_windows(batch_size, H, rng)
+        out = model.loss(w.frames, w.proprio, w.actions, w.next_frames, w.next_proprio, generator=gen,
+                         p_deterministic=p_deterministic, p_pure_noise=p_pure_noise)
+        opt.zero_grad(set_to_none=True)
+        out["loss"].backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        step += 1
+        hist.append(float(out["loss"].detach()))
+        bar.update(1)
+        if step % log_every == 0:
+            bar.set_postfix(loss=f"{np.mean(hist[-log_every:]):.5f}")
+            if writer:
+                writer.add_scalar("train/loss", float(out["loss"]), step)
+                writer.add_scalar("train/pixel_mse", float(out["pixel"]), step)
+                writer.add_scalar("train/proprio_mse", float(out["proprio"]), step)
+                writer.add_scalar("train/grad_norm", float(gn), step)
+                writer.add_scalar("train/lr", opt.param_groups[0]["lr"], step)
+        over = max_minutes is not None and (time.time() - t0) > 60 * max_minutes
+        if heldout is not None and writer and (step % eval_every == 0 or step == steps or over):
+            model.eval()
+            p_model, p_copy = one_chunk_psnr(model, heldout)
+            writer.add_scalar("heldout/psnr_1chunk", p_model, step)
+            writer.add_scalar("heldout/psnr_gain_over_copy", p_model - p_copy, step)
+            vid = side_by_side_video(model, heldout, 0, video_chunks, out_dir / "videos" / f"step_{step:06d}.mp4")
+            writer.add_images("heldout/real_vs_imagined", torch.from_numpy(vid).permute(0, 3, 1, 2), step)
+            model.train()
+        if step % checkpoint_every == 0 or step == steps or over:
+            _save(model, model_config, opt, step, rng, out_dir, f"step_{step:06d}")
+        if over:
+            stopped_by_time = True
+            break
+    bar.close()
+    if writer:
+        writer.close()
+    model.eval()
+    report = {"steps": step, "steps_this_run": step - start_step, "train_seconds": round(time.time() - t0, 1),
+              "final_loss": float(np.mean(hist[-log_every:])) if hist else None, "stopped_by_time": stopped_by_time,
+              "resumed_from": start_step if resumed is not None else None,
+              "parameters": sum(p.numel() for p in model.parameters()),
+              "checkpoint": str(out_dir / "checkpoints" / "last")}
+    if heldout is not None:
+        p_model, p_copy = one_chunk_psnr(model, heldout)
+        report.update(heldout_psnr_1chunk=p_model, heldout_psnr_copy_1chunk=p_copy)
+    return report
+
+
+# ---------------------------------------------------------------------------- critic
+def _augment(frames: torch.Tensor, rng: np.random.Generator, shift: int = 4, p_blur: float = 0.3) -> torch.Tensor:
+    """Random shift (pad + crop) and, for a fraction ``p_blur`` of the batch, a 3x3 box blur (so
+    blurrier imagined frames are scored like real ones)."""
+    b, c, h, w = frames.shape
+    x = frames.float()
+    if shift:
+        pad = torch.nn.functional.pad(x, (shift,) * 4, mode="replicate")
+        dx, dy = rng.integers(0, 2 * shift + 1, 2)
+        x = pad[:, :, dy: dy + h, dx: dx + w]
+    if p_blur > 0:
+        blur = torch.nn.functional.avg_pool2d(x, 3, 1, 1, count_include_pad=False)
+        m = torch.from_numpy(rng.random(b) < p_blur)[:, None, None, None]
+        x = torch.where(m, blur, x)
+    return x.round().clamp(0, 255).to(torch.uint8)
+
+
+def train_critic(critic: ProgressValueCritic, critic_config: dict, train: EpisodeFrames, out_dir: Path,
+                 heldout: EpisodeFrames | None = None, steps: int = 1500, batch_size: int = 64, lr: float = 1e-3,
+                 weight_decay: float = 1e-4, warmup: int = 50, success_tail: int = 10, fail_progress: float = 0.3,
+                 max_minutes: float | None = None, log_every: int = 25, eval_every: int = 250,
+                 checkpoint_every: int = 250, resume: bool = True, tensorboard: bool = True,
+                 progress: bool = True, seed: int = 0, augment: bool = True) -> dict:
+    """Train the progress-value critic on every frame of ``train`` (targets from
+    :meth:`EpisodeFrames.frame_labels`); returns a report dict (held-out AUROC when given)."""
+    from worldmodels.evaluate import critic_auroc
+
+    out_dir = Path(out_dir)
+    prog_all, succ_all = train.frame_labels(success_tail, fail_progress)
+    step_ep = np.repeat(np.arange(train.num_episodes), train.lengths)
+    n_pos = float(succ_all.sum())
+    pos_weight = float(min(20.0, (len(succ_all) - n_pos) / max(n_pos, 1.0)))
+
+    def make_opt(m):
+        return torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=weight_decay)
+
+    resumed = _resume(out_dir, make_opt) if resume else None
+    if resumed is not None:
+        critic, opt, step, rng = resumed
+    else:
+        if critic.use_proprio:
+            critic.set_norm_stats(torch.from_numpy(train.proprio))
+        opt, step, rng = make_opt(critic), 0, np.random.default_rng(seed)
+    start_step = step
+    writer = _writer(out_dir, tensorboard)
+    t0 = time.time()
+    critic.train()
+    hist: list[float] = []
+    bar = tqdm(total=steps, initial=step, desc="train critic", disable=not progress, dynamic_ncols=True)
+    stopped_by_time = False
+    while step < steps:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup)
+        idx = rng.integers(0, len(prog_all), size=batch_size)
+        frames = torch.from_numpy(train.images[idx])
+        if augment:
+            frames = _augment(frames, rng)
+        texts = [train.instructions[e] for e in step_ep[idx]]
+        out = critic.loss(frames, torch.from_numpy(train.proprio[idx]), texts,
+                          torch.from_numpy(prog_all[idx]), torch.from_numpy(succ_all[idx]), pos_weight=pos_weight)
+        opt.zero_grad(set_to_none=True)
+        out["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
+        opt.step()
+        step += 1
+        hist.append(float(out["loss"].detach()))
+        bar.update(1)
+        if step % log_every == 0:
+            bar.set_postfix(loss=f"{np.mean(hist[-log_every:]):.4f}")
+            if writer:
+                for k in ("loss", "progress", "success"):
+                    writer.add_scalar(f"train/{k}", float(out[k]), step)
+                writer.add_scalar("train/lr", opt.param_groups[0]["lr"], step)
+        over = max_minutes is not None and (time.time() - t0) > 60 * max_minutes
+        if heldout is not None and writer and (step % eval_every == 0 or step == steps or over):
+            critic.eval()
+            au = critic_auroc(critic, heldout)
+            if au["auroc"] is not None:
+                writer.add_scalar("heldout/auroc", au["auroc"], step)
+            critic.train()
+        if step % checkpoint_every == 0 or step == steps or over:
+            _save(critic, critic_config, opt, step, rng, out_dir, f"step_{step:06d}")
+        if over:
+            stopped_by_time = True
+            break
+    bar.close()
+    if writer:
+        writer.close()
+    critic.eval()
+    report = {"steps": step, "steps_this_run": step - start_step, "train_seconds": round(time.time() - t0, 1),
+              "final_loss": float(np.mean(hist[-log_every:])) if hist else None, "stopped_by_time": stopped_by_time,
+              "resumed_from": start_step if resumed is not None else None, "pos_weight": pos_weight,
+              "parameters": sum(p.numel() for p in critic.parameters()),
+              "checkpoint": str(out_dir / "checkpoints" / "last")}
+    if heldout is not None:
+        report["heldout"] = critic_auroc(critic, heldout)
+    return report

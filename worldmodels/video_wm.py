@@ -1,0 +1,291 @@
+"""Action-conditioned video world model: x-prediction flow matching on frame residuals.
+
+Given the current frames of every camera (stacked on channels, so the cameras are generated
+jointly and stay consistent), the proprio state and an action chunk ``(B, H, D_a)``, the model
+generates the frames and proprio after the chunk (step ``t + H``).
+
+Method (chosen for few-step sampling on CPU, see DESIGN.md "Measured on this kind of machine"):
+
+* Rectified flow / flow matching in diffusers' convention ``z_s = (1 - s) x + s * eps`` with
+  ``s`` the noise level (Lipman et al. 2023, "Flow Matching for Generative Modeling"; Liu et al.
+  2023, "Rectified Flow"); sampling with diffusers' ``FlowMatchEulerDiscreteScheduler``.
+* The network predicts the clean target ``x`` (x-prediction, as in DIAMOND's EDM denoiser,
+  Alonso et al. 2024) rather than the velocity, so that one step at ``s = 1`` is already a
+  regression onto the conditional mean; the velocity handed to the scheduler is
+  ``(z_s - x_hat) / s``.
+* The target is the *residual* ``x = frame_{t+H} - frame_t`` (in [-2, 2]); the output layer starts
+  at zero, so an untrained model is exactly the copy-last-frame baseline.
+* A deterministic predictor path: with zero noise at ``s = 1`` (trained explicitly on a fraction
+  of the batches) the model is a deterministic regressor; ``stochastic=True`` with a
+  ``torch.Generator`` gives seeded samples.
+* The action chunk (and proprio) is embedded by an MLP and added to the timestep embedding of a
+  diffusers ``UNet2DModel`` (``class_embed_type="identity"``, FiLM ``scale_shift`` in every ResNet
+  block), so the actions condition every block. The frames are space-to-depth'ed by ``patch``
+  first (downsample at once), which is what makes CPU training affordable.
+* Proprio after the chunk: an MLP on (proprio, actions, pooled frames) predicting the normalised
+  change.
+
+Scaling (resolution, width, depth, attention, patch) is configuration only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from diffusers import FlowMatchEulerDiscreteScheduler, UNet2DModel
+
+from wmrl.types import Obs
+from worldmodels.data import split_cameras, stack_cameras
+
+
+@dataclass
+class WMState:
+    """Explicit world-model state for a batch ``B`` of imagined branches.
+
+    Attributes:
+        frames: ``float32 (B, 3 * n_cam, Hi, Wi)`` in [-1, 1], cameras stacked in model order.
+        proprio: ``float32 (B, D_s)`` (unnormalised).
+        task: ``B`` instruction strings (carried through to the predicted ``Obs``).
+    """
+
+    frames: torch.Tensor
+    proprio: torch.Tensor
+    task: list[str]
+
+    def index(self, idx: torch.Tensor) -> "WMState":
+        il = idx.nonzero().flatten() if idx.dtype == torch.bool else idx
+        return WMState(self.frames[il], self.proprio[il], [self.task[i] for i in il.tolist()])
+
+
+def to_unit(x: torch.Tensor) -> torch.Tensor:
+    """``uint8`` [0, 255] -> ``float32`` [-1, 1]."""
+    return x.float().div(127.5).sub(1.0)
+
+
+def to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """``float`` [-1, 1] -> ``uint8`` [0, 255] (clamped, rounded)."""
+    return ((x.float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
+
+
+class ChunkFlowWorldModel(nn.Module):
+    """Implements ``wmrl.interfaces.WorldModel``: ``init(Obs) -> WMState``,
+    ``imagine(WMState, actions (B, H, D_a), generator) -> (WMState, Obs)``.
+
+    Args:
+        cameras: camera names, stacking order (all at ``image_size``).
+        image_size: ``(Hi, Wi)`` or an int; must be divisible by ``patch * 2 ** (len(blocks) - 1)``.
+        state_dim: ``D_s``. action_dim: ``D_a``. chunk_size: ``H`` (the chunk the model predicts over).
+        block_out_channels: UNet widths per resolution level (after space-to-depth).
+        layers_per_block: ResNet layers per level.
+        attention_levels: indices of levels that use self-attention blocks (``[]`` for none).
+        patch: space-to-depth factor applied before the UNet (1 = none).
+        sampling_steps: ``K`` Euler steps of the flow sampler (1 or 2 is the CPU sweet spot).
+        stochastic: draw the initial noise (``True``) or use the deterministic path (``False``).
+        noise_scale: std of the initial noise relative to the residual scale.
+        action_low, action_high: actions are clipped to this range (the controller's).
+        autocast_bf16: run the networks under CPU/GPU bfloat16 autocast.
+
+    Normalisation stats (proprio mean / std, std of the proprio change over a chunk) are buffers
+    set by :meth:`set_norm_stats` and saved with the weights; using an unfitted model raises.
+    """
+
+    def __init__(self, cameras: Sequence[str] = ("agentview", "robot0_eye_in_hand"), image_size=64,
+                 state_dim: int = 9, action_dim: int = 7, chunk_size: int = 8,
+                 block_out_channels: Sequence[int] = (64, 128, 128), layers_per_block: int = 1,
+                 attention_levels: Sequence[int] = (), patch: int = 2, sampling_steps: int = 1,
+                 stochastic: bool = False, noise_scale: float = 1.0, action_low: float = -1.0,
+                 action_high: float = 1.0, autocast_bf16: bool = True, proprio_hidden: int = 256,
+                 norm_num_groups: int = 16):
+        super().__init__()
+        hw = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+        levels = len(block_out_channels)
+        div = patch * 2 ** (levels - 1)
+        if hw[0] % div or hw[1] % div:
+            raise ValueError(f"image_size {hw} must be divisible by patch * 2**(levels-1) = {div}; "
+                             "change image_size, patch or block_out_channels")
+        if sampling_steps < 1:
+            raise ValueError(f"sampling_steps must be >= 1, got {sampling_steps}")
+        for c in block_out_channels:
+            if c % norm_num_groups:
+                raise ValueError(f"block_out_channels {list(block_out_channels)} must be multiples of "
+                                 f"norm_num_groups={norm_num_groups}")
+        self.cameras = list(cameras)
+        self.image_size = hw
+        self.state_dim, self.action_dim, self.chunk_size = state_dim, action_dim, chunk_size
+        self.patch = patch
+        self.sampling_steps = sampling_steps
+        self.stochastic = stochastic
+        self.noise_scale = noise_scale
+        self.action_low, self.action_high = action_low, action_high
+        self.autocast_bf16 = autocast_bf16
+        c_img = 3 * len(self.cameras)
+        self.c_img = c_img
+        temb = block_out_channels[0] * 4
+        down = tuple("AttnDownBlock2D" if i in attention_levels else "DownBlock2D" for i in range(levels))
+        up = tuple("AttnUpBlock2D" if (levels - 1 - i) in attention_levels else "UpBlock2D" for i in range(levels))
+        self.unet = UNet2DModel(
+            sample_size=(hw[0] // patch, hw[1] // patch),
+            in_channels=2 * c_img * patch * patch, out_channels=c_img * patch * patch,
+            block_out_channels=tuple(block_out_channels), layers_per_block=layers_per_block,
+            down_block_types=down, up_block_types=up, class_embed_type="identity",
+            resnet_time_scale_shift="scale_shift", norm_num_groups=norm_num_groups,
+            add_attention=bool(attention_levels), attention_head_dim=8,
+        )
+        nn.init.zeros_(self.unet.conv_out.weight)   # start exactly at copy-last-frame
+        nn.init.zeros_(self.unet.conv_out.bias)
+        cond_in = chunk_size * action_dim + state_dim
+        self.cond_mlp = nn.Sequential(nn.Linear(cond_in, temb), nn.SiLU(), nn.Linear(temb, temb))
+        pooled = c_img * 8 * 8
+        self.proprio_head = nn.Sequential(
+            nn.Linear(cond_in + pooled, proprio_hidden), nn.SiLU(),
+            nn.Linear(proprio_hidden, proprio_hidden), nn.SiLU(), nn.Linear(proprio_hidden, state_dim))
+        nn.init.zeros_(self.proprio_head[-1].weight)
+        nn.init.zeros_(self.proprio_head[-1].bias)
+        self.register_buffer("proprio_mean", torch.zeros(state_dim))
+        self.register_buffer("proprio_std", torch.ones(state_dim))
+        self.register_buffer("delta_std", torch.ones(state_dim))
+        self.register_buffer("stats_fitted", torch.zeros((), dtype=torch.bool))
+
+    # ------------------------------------------------------------------ normalisation
+    @torch.no_grad()
+    def set_norm_stats(self, proprio: torch.Tensor, delta: torch.Tensor) -> None:
+        """Fit proprio stats from ``proprio (N, D_s)`` and chunk changes ``delta (N, D_s)``.
+        Zero-variance dimensions get std 1e-3-floored (never NaN)."""
+        self.proprio_mean.copy_(proprio.float().mean(0))
+        self.proprio_std.copy_(proprio.float().std(0).nan_to_num(0.0).clamp_min(1e-3))
+        self.delta_std.copy_(delta.float().std(0).nan_to_num(0.0).clamp_min(1e-3))
+        self.stats_fitted.fill_(True)
+
+    def _check_stats(self):
+        if not bool(self.stats_fitted):
+            raise RuntimeError("ChunkFlowWorldModel has no normalisation stats; call set_norm_stats(...) "
+                               "before use or load a trained checkpoint")
+
+    # ------------------------------------------------------------------ network pieces
+    def _autocast(self):
+        dev = self.proprio_mean.device.type
+        return torch.autocast(dev, dtype=torch.bfloat16, enabled=self.autocast_bf16)
+
+    def condition(self, proprio: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """``float32 (B, H*D_a + D_s)``: clipped actions and normalised proprio."""
+        if actions.ndim != 3 or actions.shape[1] != self.chunk_size or actions.shape[2] != self.action_dim:
+            raise ValueError(f"actions must be (B, H={self.chunk_size}, D_a={self.action_dim}), got "
+                             f"{tuple(actions.shape)}; the world model was trained for that chunk shape")
+        a = actions.float().clamp(self.action_low, self.action_high).flatten(1)
+        p = (proprio.float() - self.proprio_mean) / self.proprio_std
+        return torch.cat([a, p], dim=1)
+
+    def denoise(self, z: torch.Tensor, sigma: torch.Tensor, frames: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """x-prediction: residual estimate ``float32 (B, 3*n_cam, Hi, Wi)`` from the noisy residual
+        ``z`` at noise level ``sigma (B,)`` in [0, 1], current ``frames`` in [-1, 1], ``cond``."""
+        x = torch.cat([z, frames], dim=1)
+        if self.patch > 1:
+            x = F.pixel_unshuffle(x, self.patch)
+        with self._autocast():
+            emb = self.cond_mlp(cond)
+            out = self.unet(x, sigma * 1000.0, class_labels=emb).sample
+        out = out.float()
+        if self.patch > 1:
+            out = F.pixel_shuffle(out, self.patch)
+        return out
+
+    def proprio_delta(self, frames: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """Normalised proprio change over the chunk, ``float32 (B, D_s)``."""
+        pooled = F.adaptive_avg_pool2d(frames, 8).flatten(1)
+        with self._autocast():
+            return self.proprio_head(torch.cat([cond, pooled], dim=1)).float()
+
+    # ------------------------------------------------------------------ WorldModel protocol
+    def init(self, context: Obs) -> WMState:
+        """State from the current observation ``context`` (batch ``B``; the last frame of a history
+        is all this model conditions on). Raises ``ValueError``/``KeyError`` on wrong cameras/shapes."""
+        context.validate()
+        frames = stack_cameras(context.images, self.cameras)
+        if tuple(frames.shape[-2:]) != self.image_size:
+            raise ValueError(f"context images are {tuple(frames.shape[-2:])}, the model expects {self.image_size}")
+        dev = self.proprio_mean.device
+        if context.proprio.shape[1] != self.state_dim:
+            raise ValueError(f"context proprio has D_s={context.proprio.shape[1]}, the model expects {self.state_dim}")
+        return WMState(to_unit(frames.to(dev)), context.proprio.float().to(dev), list(context.task))
+
+    @torch.no_grad()
+    def imagine(self, state: WMState, actions: torch.Tensor,
+                generator: torch.Generator | None = None) -> tuple[WMState, Obs]:
+        """Predict the observation after executing ``actions float32 (B, H, D_a)`` from ``state``.
+
+        With ``stochastic=False`` the result is deterministic (``generator`` ignored); otherwise the
+        initial noise is drawn from ``generator`` (seeded samples) and refined in
+        ``sampling_steps`` Euler steps.
+
+        Returns:
+            the new ``WMState`` and the predicted ``Obs`` (uint8 images per camera, proprio, task).
+        """
+        self._check_stats()
+        if actions.shape[0] != state.frames.shape[0]:
+            raise ValueError(f"actions batch {actions.shape[0]} != state batch {state.frames.shape[0]}")
+        actions = actions.to(state.frames.device)
+        residual = self.sample_residual(state.frames, state.proprio, actions, generator)
+        frames = (state.frames + residual).clamp(-1, 1)
+        cond = self.condition(state.proprio, actions)
+        proprio = state.proprio + self.proprio_delta(state.frames, cond) * self.delta_std
+        new = WMState(frames, proprio, list(state.task))
+        obs = Obs(images=split_cameras(to_uint8(frames), self.cameras), proprio=proprio.float(), task=list(state.task))
+        return new, obs
+
+    def sample_residual(self, frames: torch.Tensor, proprio: torch.Tensor, actions: torch.Tensor,
+                        generator: torch.Generator | None = None) -> torch.Tensor:
+        """Run the flow sampler: ``float32 (B, 3*n_cam, Hi, Wi)`` residual frame_{t+H} - frame_t."""
+        cond = self.condition(proprio, actions)
+        b = frames.shape[0]
+        if self.stochastic:
+            z = torch.randn(frames.shape, generator=generator, device=frames.device) * self.noise_scale
+        else:
+            z = torch.zeros_like(frames)
+        sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+        sigmas = [1.0 - k / self.sampling_steps for k in range(self.sampling_steps)]
+        sched.set_timesteps(sigmas=sigmas, device=frames.device)
+        x_hat = z
+        for i, t in enumerate(sched.timesteps):
+            s = float(sched.sigmas[i])
+            x_hat = self.denoise(z, torch.full((b,), s, device=frames.device), frames, cond)
+            if i == len(sched.timesteps) - 1:
+                break
+            velocity = (z - x_hat) / s          # diffusers' flow convention: d z / d sigma
+            z = sched.step(velocity, t, z, return_dict=False)[0]
+        return x_hat
+
+    # ------------------------------------------------------------------ training
+    def loss(self, frames_u8: torch.Tensor, proprio: torch.Tensor, actions: torch.Tensor,
+             next_frames_u8: torch.Tensor, next_proprio: torch.Tensor, generator: torch.Generator | None = None,
+             p_deterministic: float = 0.25, p_pure_noise: float = 0.25) -> dict[str, torch.Tensor]:
+        """Flow-matching x-prediction loss on a batch of chunk windows.
+
+        Noise levels: a fraction ``p_deterministic`` of the batch is trained on the deterministic path
+        (zero noise at ``sigma = 1``), ``p_pure_noise`` at ``sigma = 1`` with noise, the rest
+        ``sigma ~ U(0, 1)``.
+
+        Returns:
+            dict with ``loss`` (scalar to minimise), ``pixel`` and ``proprio`` (MSE terms).
+        """
+        self._check_stats()
+        frames, target = to_unit(frames_u8), to_unit(next_frames_u8)
+        residual = target - frames
+        b = frames.shape[0]
+        dev = frames.device
+        u = torch.rand(b, generator=generator, device=dev)
+        sigma = torch.rand(b, generator=generator, device=dev)
+        sigma = torch.where(u < p_deterministic + p_pure_noise, torch.ones_like(sigma), sigma)
+        eps = torch.randn(frames.shape, generator=generator, device=dev) * self.noise_scale
+        eps = torch.where((u < p_deterministic)[:, None, None, None], torch.zeros_like(eps), eps)
+        s = sigma[:, None, None, None]
+        z = (1 - s) * residual + s * eps
+        cond = self.condition(proprio, actions)
+        x_hat = self.denoise(z, sigma, frames, cond)
+        pixel = F.mse_loss(x_hat, residual)
+        d_target = (next_proprio.float() - proprio.float()) / self.delta_std
+        prop = F.mse_loss(self.proprio_delta(frames, cond), d_target)
+        return {"loss": pixel + prop, "pixel": pixel.detach(), "proprio": prop.detach()}

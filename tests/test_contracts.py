@@ -78,3 +78,36 @@ def test_simenv_is_a_chunk_env_with_inner_step_termination_and_partial_auto_rese
     assert "final_obs" in res.info and res.info["final_obs"].batch_size == 2
     with pytest.raises(ValueError):
         env.step(torch.zeros(2, 7))
+
+
+# ---------------------------------------------------------------------- Policy: policies.flow_vla.FlowVLAPolicy
+# (section owned by the policies package; the LeRobot adapters are checked in test_lerobot_adapters.py)
+
+
+def test_flow_vla_policy_contract():
+    from policies.flow_vla import FlowVLAPolicy
+    from policies.samplers import SDESampler
+    from wmrl.interfaces import Policy
+    from wmrl.storage import NormStats
+    from wmrl.types import Obs
+
+    rng = np.random.default_rng(0)
+    pol = FlowVLAPolicy(cameras=["agentview"], image_size=[16, 16], chunk_size=4,
+                        encoder={"kind": "conv", "channels": [8, 16], "out_dim": 16}, lang_dim=16, proprio_dim=8,
+                        cond_dim=32, head_width=32, head_depth=1, time_dim=16,
+                        sampler=SDESampler(num_steps=3, noise_level=0.5))
+    pol.set_norm_stats(NormStats.from_data({"proprio": rng.standard_normal((64, 9)),
+                                            "actions": rng.uniform(-1, 1, (64, 7))})).eval()
+    assert isinstance(pol, Policy) and pol.chunk_size == 4 and pol.action_dim == 7
+    g = torch.Generator().manual_seed(0)
+    obs = Obs({"agentview": torch.randint(0, 256, (3, 3, 16, 16), dtype=torch.uint8, generator=g)},
+              torch.randn(3, 9, generator=g), ["lift the red cube"] * 3).validate()
+    s = pol.sample(obs, torch.Generator().manual_seed(1))
+    assert s.actions.shape == (3, 4, 7) and s.actions.dtype == torch.float32
+    assert s.log_prob.shape == (3,) and s.log_prob.dtype == torch.float32
+    assert all(v.shape[0] == 3 for v in s.extras.values())  # extras batch-indexable
+    lp = pol.log_prob(obs, s)
+    assert lp.requires_grad and torch.equal(torch.exp(lp - s.log_prob), torch.ones(3))
+    # GRPO recomputes on minibatches: the log-prob of a subset matches (up to float rounding)
+    sub = pol.log_prob(obs.index([0, 2]), s.index(torch.tensor([0, 2])))
+    assert torch.allclose(sub, s.log_prob[[0, 2]], atol=1e-3)

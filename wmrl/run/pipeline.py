@@ -254,6 +254,17 @@ def plot_imagined_vs_real(history: list[dict], evals: list[dict], path: Path) ->
 # ------------------------------------------------------------------------------------------
 
 
+def real_curve(grpo_report: dict, before: dict, after: dict) -> list[dict]:
+    """Real-sim success over GRPO iterations: the pipeline's before / after evaluations (held-out,
+    ``episodes_per_task`` each) at iteration 0 and the last, plus GRPO's own periodic evaluations."""
+    n = int(grpo_report.get("iterations") or 0)
+    pts = {0: {"iteration": 0, "success": before["success"], "ci95": before["ci95"]},
+           n: {"iteration": n, "success": after["success"], "ci95": after["ci95"]}}
+    for e in grpo_report.get("evals", []):
+        pts.setdefault(int(e["iteration"]), {k: e[k] for k in ("iteration", "success", "ci95")})
+    return [pts[k] for k in sorted(pts)]
+
+
 def apply_preset(cfg: DictConfig) -> DictConfig:
     """Merge ``cfg.presets[cfg.preset]`` onto ``cfg`` (no-op for ``preset=null``)."""
     name = cfg.get("preset")
@@ -376,7 +387,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
     # 8. plots, videos, report
     plots = {"success_before_after": str(plot_before_after(before, after, out / "success_before_after.png")),
-             "imagined_vs_real": str(plot_imagined_vs_real(grep.get("history", []), grep.get("evals", []),
+             "imagined_vs_real": str(plot_imagined_vs_real(grep.get("history", []), real_curve(grep, before, after),
                                                             out / "imagined_vs_real.png"))}
     videos = [str(out / "eval_before" / v) for v in before.get("videos", [])] + \
         [str(out / "eval_after" / v) for v in after.get("videos", [])]

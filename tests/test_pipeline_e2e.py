@@ -1,0 +1,34 @@
+"""The whole main job with the `debug` preset (tiny sizes, real sim, real policy / world model /
+critic): every stage runs in process, report.json has wall times and before/after success with CIs,
+plots and videos are written, and a second call resumes (no stage runs again)."""
+
+import json
+
+import pytest
+
+
+@pytest.mark.slow
+def test_pipeline_debug_preset_end_to_end(tmp_path):
+    from wmrl.run import pipeline
+    from wmrl.run.common import RunContext
+
+    cfg = pipeline.compose_stage_config("pipeline", {"preset": "debug", "num_threads": 1})
+    ctx = RunContext(cfg, out_dir=tmp_path)
+    rep = pipeline.run(cfg, ctx)
+    stages = ["collect", "bc", "bc_rollouts", "worldmodel", "critic", "eval_before", "grpo", "eval_after"]
+    assert list(rep["stages"]) == stages
+    for s in stages:
+        assert (tmp_path / s / "report.json").is_file() and rep["stages"][s]["wall_time_s"] > 0
+    assert set(rep["per_task"]) == {"lift_red", "push_red_to_target"}
+    for r in (rep["before"], rep["after"]):
+        lo, hi = r["ci95"]
+        assert 0 <= lo <= r["success"] <= hi <= 1
+    assert rep["success_gain"] == pytest.approx(rep["after"]["success"] - rep["before"]["success"])
+    for p in rep["plots"].values():
+        assert open(p, "rb").read(4) == b"\x89PNG"
+    assert len(rep["videos"]) == 4 and all(v.endswith(".mp4") for v in rep["videos"])
+    assert (tmp_path / "grpo" / "checkpoints" / "last" / "model.safetensors").is_file()
+    json.dumps(rep)
+    # resume: every stage is reused, the report is the same
+    rep2 = pipeline.run(cfg, RunContext(cfg, out_dir=tmp_path))
+    assert rep2["per_task"] == rep["per_task"] and rep2["stages"] == rep["stages"]

@@ -208,7 +208,7 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
         if step % log_every == 0:
             bar.set_postfix(loss=f"{np.mean(hist[-log_every:]):.5f}")
             if writer:
-                writer.add_scalar("train/loss", float(out["loss"]), step)
+                writer.add_scalar("train/loss", float(out["loss"].detach()), step)
                 writer.add_scalar("train/pixel_mse", float(out["pixel"]), step)
                 writer.add_scalar("train/proprio_mse", float(out["proprio"]), step)
                 writer.add_scalar("train/grad_norm", float(gn), step)
@@ -313,7 +313,7 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
             bar.set_postfix(loss=f"{np.mean(hist[-log_every:]):.4f}")
             if writer:
                 for k in ("loss", "progress", "success"):
-                    writer.add_scalar(f"train/{k}", float(out[k]), step)
+                    writer.add_scalar(f"train/{k}", float(out[k].detach()), step)
                 writer.add_scalar("train/lr", opt.param_groups[0]["lr"], step)
         over = max_minutes is not None and (time.time() - t0) > 60 * max_minutes
         if heldout is not None and writer and (step % eval_every == 0 or step == steps or over):

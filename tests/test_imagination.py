@@ -1,0 +1,173 @@
+"""ImaginationEnv keeps SimEnv's ChunkEnv semantics; keyframe starts come from stored episodes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from wmrl.imagination import ImaginationEnv, start_obs, starts_from_store
+from wmrl.interfaces import ChunkEnv
+from wmrl.types import PANDA_OSC_POSE, Obs, Start
+from worldmodels.synthetic import make_episodes
+
+
+class CounterWorldModel:
+    """Fake world model: every pixel of a slot holds a level; a chunk adds the sum of its actions'
+    first dimension. Explicit state = the observation itself."""
+
+    chunk_size = 4
+    action_dim = 7
+
+    def init(self, context: Obs) -> Obs:
+        return context
+
+    def imagine(self, state: Obs, actions, generator=None):
+        inc = actions[:, :, 0].sum(1).round().to(torch.int16)
+        imgs = {k: (v.to(torch.int16) + inc[:, None, None, None]).clamp(0, 255).to(torch.uint8)
+                for k, v in state.images.items()}
+        new = Obs(imgs, state.proprio + 1, list(state.task))
+        return new, new
+
+
+class LevelCritic:
+    """progress = level / 100; success when level >= 100."""
+
+    def progress(self, obs: Obs) -> torch.Tensor:
+        return obs.images["agentview"][:, 0, 0, 0].float() / 100
+
+    def success_prob(self, obs: Obs) -> torch.Tensor:
+        return (obs.images["agentview"][:, 0, 0, 0] >= 100).float()
+
+
+def level_start(level: int, task: str = "t") -> Start:
+    img = torch.full((1, 3, 4, 4), level, dtype=torch.uint8)
+    return Start(task_name=task, instruction=f"do {task}",
+                 context=Obs({"agentview": img, "robot0_eye_in_hand": img.clone()}, torch.zeros(1, 9), [f"do {task}"]))
+
+
+def chunk(levels_per_step: list[float]) -> torch.Tensor:
+    a = torch.zeros(len(levels_per_step), 4, 7)
+    a[:, :, 0] = torch.tensor(levels_per_step)[:, None] / 4
+    return a
+
+
+def test_is_a_chunk_env_and_validates_input():
+    env = ImaginationEnv(CounterWorldModel(), LevelCritic(), num_envs=2, max_chunks=3)
+    assert isinstance(env, ChunkEnv)
+    with pytest.raises(RuntimeError, match="before reset"):
+        env.step(chunk([0, 0]))
+    with pytest.raises(ValueError, match="2 starts"):
+        env.reset([level_start(0)])
+    with pytest.raises(ValueError, match="context"):
+        env.reset([level_start(0), Start(task_name="x", instruction="x")])
+    env.reset([level_start(0), level_start(0)])
+    with pytest.raises(ValueError, match="H=4"):
+        env.step(torch.zeros(2, 8, 7))
+    with pytest.raises(ValueError, match="shape"):
+        env.step(torch.zeros(3, 4, 7))
+    with pytest.raises(ValueError, match="non-finite"):
+        env.step(torch.full((2, 4, 7), float("nan")))
+
+
+def test_reward_termination_truncation_and_partial_auto_reset():
+    env = ImaginationEnv(CounterWorldModel(), LevelCritic(), num_envs=3, max_chunks=2, success_bonus=5.0)
+    obs = env.reset([level_start(60, "a"), level_start(0, "b"), level_start(10, "c")])
+    assert obs.images["agentview"][:, 0, 0, 0].tolist() == [60, 0, 10]
+    r1 = env.step(chunk([40, 20, 0]))           # slot 0 reaches 100 -> success
+    assert r1.terminated.tolist() == [True, False, False]
+    assert r1.truncated.tolist() == [False, False, False]
+    assert r1.success.tolist() == [True, False, False]
+    assert r1.reward.tolist() == pytest.approx([0.4 + 5.0, 0.2, 0.0])
+    assert r1.steps_executed.tolist() == [4, 4, 4]
+    # only slot 0 was reset (to its start); final_obs keeps the pre-reset frame
+    assert r1.info["final_obs"].images["agentview"][:, 0, 0, 0].tolist() == [100, 20, 10]
+    assert r1.obs.images["agentview"][:, 0, 0, 0].tolist() == [60, 20, 10]
+    assert r1.obs.task == ["do a", "do b", "do c"]
+    r2 = env.step(chunk([0, 10, 0]))            # slots 1, 2 hit the chunk limit (2 chunks)
+    assert r2.terminated.tolist() == [False, False, False]
+    assert r2.truncated.tolist() == [False, True, True]
+    assert r2.reward.tolist() == pytest.approx([0.0, 0.1, 0.0])
+    assert r2.obs.images["agentview"][:, 0, 0, 0].tolist() == [60, 0, 10]
+    r3 = env.step(chunk([0, 0, 0]))             # slot 0: its second chunk since its reset
+    assert r3.truncated.tolist() == [True, False, False]
+
+
+def test_without_auto_reset_finished_slots_stay_finished():
+    env = ImaginationEnv(CounterWorldModel(), LevelCritic(), num_envs=2, max_chunks=5, auto_reset=False)
+    env.reset([level_start(90), level_start(0)])
+    r1 = env.step(chunk([20, 4]))
+    assert r1.terminated.tolist() == [True, False]
+    r2 = env.step(chunk([20, 4]))
+    assert r2.info["finished"].tolist() == [True, False]
+    assert r2.steps_executed.tolist() == [0, 4]
+    assert r2.reward.tolist() == pytest.approx([0.0, 0.04])
+    assert r2.terminated.tolist() == [False, False]
+    assert r2.obs.images["agentview"][:, 0, 0, 0].tolist() == [110, 8]   # slot 0 frozen
+    obs = env.reset_slots([0], [level_start(5)])
+    assert obs.images["agentview"][:, 0, 0, 0].tolist() == [5, 8]
+    assert env.step(chunk([1, 1])).steps_executed.tolist() == [4, 4]
+
+
+def test_next_start_is_used_for_auto_reset():
+    env = ImaginationEnv(CounterWorldModel(), LevelCritic(), num_envs=1, max_chunks=1,
+                         next_start=lambda slot: level_start(33))
+    env.reset([level_start(0)])
+    r = env.step(chunk([1]))
+    assert r.truncated.tolist() == [True]
+    assert r.obs.images["agentview"][0, 0, 0, 0] == 33
+
+
+def test_keyframe_starts_from_store(tmp_path):
+    from wmrl.storage import EpisodeStore
+
+    store = EpisodeStore.create(tmp_path / "s", cameras={"agentview": (32, 32), "robot0_eye_in_hand": (32, 32)},
+                                state_dim=9, action_dim=7, fps=20, action_space=PANDA_OSC_POSE, embodiment="toy",
+                                source="synthetic")
+    eps = make_episodes(3, length=20, size=32, seed=5)
+    for e in eps:
+        store.append(e)
+    starts = starts_from_store(store, 40, np.random.default_rng(0), episodes=[0, 2], min_steps_left=8, context=2)
+    assert {s.episode for s in starts} <= {0, 2}
+    steps = [s.step for s in starts]
+    assert max(steps) < 12 and min(steps) >= 0 and len(set(steps)) > 3   # any step, not only the first
+    for s in starts:
+        ep = eps[s.episode]
+        assert s.context.batch_size == 2
+        o = start_obs(s)
+        assert torch.equal(o.images["agentview"][0], torch.from_numpy(ep.images["agentview"][s.step]))
+        assert torch.allclose(o.proprio[0], torch.from_numpy(ep.proprio[s.step]))
+        assert s.instruction == ep.instruction
+
+
+def test_with_learned_models_runs_grpo_rollouts(tmp_path):
+    """The real world model + critic (untrained, tiny) drive wmrl.grpo.rollout_batch."""
+    from wmrl.grpo import rollout_batch
+    from wmrl.types import PolicySample
+
+    wm = instantiate(OmegaConf.load("configs/worldmodel/tiny.yaml"), _convert_="all").eval()
+    wm.set_norm_stats(torch.randn(10, 9), torch.randn(10, 9))
+    cr = instantiate(OmegaConf.load("configs/critic/tiny.yaml"), _convert_="all").eval()
+    cr.set_norm_stats(torch.randn(10, 9))
+    ep = make_episodes(1, length=10, size=32, seed=2)[0]
+    ctx = Obs({c: torch.from_numpy(v[3:4]) for c, v in ep.images.items()}, torch.from_numpy(ep.proprio[3:4]),
+              [ep.instruction])
+    starts = [Start(task_name="toy", instruction=ep.instruction, context=ctx, episode=0, step=3)] * 4
+    env = ImaginationEnv(wm, cr, num_envs=4, max_chunks=3, success_threshold=2.0, seed=0)
+
+    class RandomPolicy:
+        chunk_size, action_dim = 4, 7
+
+        def sample(self, obs, generator=None):
+            a = torch.rand(obs.batch_size, 4, 7, generator=generator) * 2 - 1
+            return PolicySample(a, torch.zeros(obs.batch_size))
+
+    ro = rollout_batch(env, RandomPolicy(), starts, torch.arange(4), max_chunks=5,
+                       generator=torch.Generator().manual_seed(0))
+    assert ro.rewards.shape == (4, 3) and torch.isfinite(ro.rewards).all()
+    assert ro.alive[:, -1].all() and not ro.success.any()     # truncated after max_chunks=3
+    # rewards are progress gains: they telescope to progress(last) - progress(first)
+    first = cr.progress(ctx)
+    assert torch.all(ro.rewards.sum(1) >= -first - 1e-5) and torch.all(ro.rewards.sum(1) <= 1 - first + 1e-5)

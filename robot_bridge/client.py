@@ -386,9 +386,16 @@ class RobotClient:
                 if self.cfg.stop_on_success and r.success():
                     success = True
                     break
+                if getattr(r, "done", None) is not None and r.done():
+                    success = bool(r.success())
+                    failure = "" if success else "timeout"
+                    break
             else:
                 success = bool(r.success())
                 failure = "" if success else "timeout"
+        except KeyboardInterrupt:
+            failure = "operator:interrupted"
+            stats["interrupted"] = True
         finally:
             if failure in ("estop", "watchdog") or failure.startswith("operator"):
                 r.stop()

@@ -23,11 +23,30 @@ skipped by the latency-aware queue anyway).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@runtime_checkable
+class RTCFlowPolicy(Protocol):
+    """What the policy server needs for real-time chunking (besides ``wmrl.interfaces.Policy``).
+
+    ``rtc_velocity_fn(obs)`` returns ``v(x (B, H, D_a), t (B,))`` in this module's convention
+    (``t = 0`` noise, ``t = 1`` actions) over the policy's own action coordinates (e.g.
+    normalised); ``to_flow_space`` maps actions ``(P, D_a)`` there, ``from_flow_space`` maps a
+    sampled ``(B, H, D_a)`` back to controller units (unnormalise, clip). ``num_steps``: ``K``.
+    """
+
+    num_steps: int
+
+    def rtc_velocity_fn(self, obs) -> VelocityFn: ...
+
+    def to_flow_space(self, actions: torch.Tensor) -> torch.Tensor: ...
+
+    def from_flow_space(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def prefix_weights(horizon: int, prefix_len: int, delay: int) -> torch.Tensor:

@@ -40,10 +40,10 @@ class PolicyServer:
 
     Args:
         policy: ``wmrl.interfaces.Policy`` (``sample(Obs) -> PolicySample`` with actions
-            ``(1, H, D_a)``). If it also has ``velocity(obs, x (B, H, D_a), t (B,)) -> (B, H, D_a)``
-            and ``num_steps`` (a flow policy), requests carrying a prefix are sampled with
-            real-time chunking (``robot_bridge.rtc.rtc_sample``); units of ``x`` are the action
-            space unless the policy has ``normalize_actions`` / ``unnormalize_actions``.
+            ``(1, H, D_a)``). Real-time chunking is used for requests carrying a prefix when the
+            policy also implements :class:`robot_bridge.rtc.RTCFlowPolicy` (``rtc_velocity_fn``,
+            ``to_flow_space``, ``from_flow_space``, ``num_steps``); the composition root wraps a
+            flow policy in such an adapter.
         inference_delay_s: pads each inference to at least this long (benchmarks: simulate a
             large policy); 0 = off.
         delay_jitter_s: uniform extra delay in ``[0, delay_jitter_s]``.
@@ -65,7 +65,7 @@ class PolicyServer:
         self.limits = M.Limits(**{**lim.__dict__, "action_dim": self.action_dim})
         self.generator = torch.Generator().manual_seed(seed)
         self.rng = np.random.default_rng(seed)
-        self.supports_prefix = bool(rtc) and hasattr(policy, "velocity")
+        self.supports_prefix = bool(rtc) and hasattr(policy, "rtc_velocity_fn")
         self.rtc_beta = rtc_beta
         self.stats = {"requests": 0, "chunks": 0, "errors_sent": 0, "rejected": 0, "inference_s": []}
         self._stop = threading.Event()
@@ -92,15 +92,11 @@ class PolicyServer:
 
     def _rtc(self, obs: Obs, prefix: np.ndarray, delay: int) -> torch.Tensor:
         pol = self.policy
-        y = torch.from_numpy(prefix)
-        if hasattr(pol, "normalize_actions"):
-            y = pol.normalize_actions(y)
+        y = pol.to_flow_space(torch.from_numpy(prefix))
         noise = torch.randn(1, self.chunk_size, self.action_dim, generator=self.generator)
-        x = rtc_sample(lambda x, t: pol.velocity(obs, x, t), noise, y, delay,
-                       num_steps=int(getattr(pol, "num_steps", 10)), beta=self.rtc_beta)
-        if hasattr(pol, "unnormalize_actions"):
-            x = pol.unnormalize_actions(x)
-        return x
+        x = rtc_sample(pol.rtc_velocity_fn(obs), noise, y, delay, num_steps=int(getattr(pol, "num_steps", 10)),
+                       beta=self.rtc_beta)
+        return pol.from_flow_space(x)
 
     def warmup(self, hello: M.pb.Hello) -> float:
         """One dummy inference with the robot's shapes (zeros), not padded by the delay."""

@@ -165,6 +165,15 @@ class TwoModeFlowPolicy:
     def __init__(self):
         self.modes = torch.stack([torch.full((16, D_A), 0.8), torch.full((16, D_A), -0.8)])
 
+    def rtc_velocity_fn(self, obs):
+        return lambda x, t: self.velocity(obs, x, t)
+
+    def to_flow_space(self, a):
+        return a
+
+    def from_flow_space(self, x):
+        return x
+
     def velocity(self, obs, x, t):
         tt = t.view(-1, 1, 1)
         s = (1 - tt).clamp_min(1e-3)

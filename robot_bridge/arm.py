@@ -1,0 +1,190 @@
+"""The arm side of ``wmrl robot``: a simulated arm behind :class:`robot_bridge.client.RobotInterface`,
+the episode recorder, and the node loop that runs episodes and records every one of them.
+
+The simulator is injected: :class:`ChunkEnvArm` drives any ``wmrl.interfaces.ChunkEnv`` with one
+slot (the sim suite's ``SimEnv`` built with ``auto_reset=False``) one control step at a time, so
+this package never imports ``sim``; the composition root (``wmrl/run/robot.py``) builds the env.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from robot_bridge.client import ClientConfig, EpisodeResult, RobotClient
+from robot_bridge.safety import SafetyLimits
+from wmrl.types import Start
+
+log = logging.getLogger("robot_bridge.arm")
+
+
+class ChunkEnvArm:
+    """A :class:`RobotInterface` over a one-slot ``ChunkEnv`` stepped with ``(1, 1, D_a)`` chunks.
+
+    Args:
+        env: ``ChunkEnv`` with ``num_envs == 1`` (no auto-reset).
+        starts: ``Start`` per episode index (a sequence, cycled, or a callable ``i -> Start``).
+        cameras: camera names in the env's observations.
+        image_size: ``(Hi, Wi)``.
+        state_dim: ``D_s``.
+        gripper_dim: index of the gripper command (kept when holding); ``None``: no gripper.
+        gripper_open: gripper command before any command was sent.
+
+    ``hold_action`` is the zero delta (OSC_POSE delta: stay) with the last gripper command.
+    ``done()`` is true once the env terminated or truncated the episode.
+    """
+
+    def __init__(self, env, starts: Sequence[Start] | Callable[[int], Start], cameras: Sequence[str],
+                 image_size: Sequence[int], state_dim: int = 9, gripper_dim: int | None = 6,
+                 gripper_open: float = -1.0):
+        if getattr(env, "num_envs", 1) != 1:
+            raise ValueError(f"ChunkEnvArm drives one robot; build the env with num_envs=1, got {env.num_envs}")
+        self.env = env
+        self.starts = starts
+        self.cameras = list(cameras)
+        self.image_size = (int(image_size[0]), int(image_size[1]))
+        self.action_dim = int(env.action_dim)
+        self.state_dim = int(state_dim)
+        self.gripper_dim = gripper_dim
+        self.gripper_open = gripper_open
+        self.task = ""
+        self.task_name = ""
+        self._lock = threading.Lock()
+        self._obs = None
+        self._success = False
+        self._done = False
+        self.stopped = False
+        self.sim_states: list[np.ndarray] = []
+
+    def _start(self, i: int) -> Start:
+        if callable(self.starts):
+            return self.starts(i)
+        return self.starts[i % len(self.starts)]
+
+    def reset_episode(self, i: int) -> Start:
+        start = self._start(i)
+        with self._lock:
+            self._obs = self.env.reset([start])
+            self.task, self.task_name = start.instruction, start.task_name
+            self._success = self._done = self.stopped = False
+        return start
+
+    def observe(self):
+        with self._lock:
+            o = self._obs
+            return (o.proprio[0].detach().cpu().numpy().astype(np.float32),
+                    {c: o.images[c][0].detach().cpu().numpy() for c in self.cameras})
+
+    def apply(self, action: np.ndarray) -> None:
+        with self._lock:
+            if self.stopped or self._done:
+                return
+            res = self.env.step(torch.as_tensor(np.asarray(action, np.float32)).view(1, 1, -1))
+            self._obs = res.info.get("final_obs", res.obs) if bool(res.done[0]) and "final_obs" in res.info else res.obs
+            self._success = self._success or bool(res.success[0])
+            self._done = bool(res.done[0])
+
+    def hold_action(self, last):
+        h = np.zeros(self.action_dim, np.float32)
+        if self.gripper_dim is not None:
+            h[self.gripper_dim] = self.gripper_open if last is None else last[self.gripper_dim]
+        return h
+
+    def stop(self) -> None:
+        self.stopped = True  # a simulated arm stops by not being stepped any more
+
+    def success(self) -> bool:
+        return self._success
+
+    def done(self) -> bool:
+        return self._done
+
+
+class EpisodeRecorder:
+    """Appends every deployed episode to an ``EpisodeStore`` (``append(Episode) -> int``; its
+    appends are crash-safe). Episodes with no executed step cannot be stored and are counted in
+    ``skipped``."""
+
+    def __init__(self, store):
+        self.store = store
+        self.indices: list[int] = []
+        self.skipped = 0
+
+    def record(self, result: EpisodeResult) -> int | None:
+        if result.steps == 0:
+            self.skipped += 1
+            log.warning("episode %s had no executed step; nothing to record", result.episode.info.get("episode"))
+            return None
+        i = self.store.append(result.episode)
+        self.indices.append(i)
+        return i
+
+
+def run_node(arm, transport, episodes: int, client_cfg: ClientConfig | None = None,
+             safety: SafetyLimits | None = None, recorder: EpisodeRecorder | None = None,
+             critic: Callable | None = None, progress: bool = True) -> dict:
+    """Connect to the policy server and run ``episodes`` episodes of ``arm`` in real time,
+    recording each (also failed, e-stopped and watchdog-stopped ones) with ``recorder``.
+
+    SIGTERM / Ctrl-C end the current episode as failed (label ``interrupted``), record it and stop.
+
+    Returns a summary dict: per-episode outcome, starvation, latencies, time to first action.
+    """
+    from tqdm import tqdm
+
+    client = RobotClient(arm, transport, client_cfg, safety=safety, critic=critic)
+    t0 = time.monotonic()
+    ready = client.connect()
+    connect_s = time.monotonic() - t0
+    log.info("connected to the policy server: chunk_size=%d warm-up %.2f s, RTC %s", ready.chunk_size,
+             ready.warmup_s, "on" if ready.supports_prefix else "off")
+    rows = []
+    interrupted = {"flag": False}
+
+    def on_term(signum, frame):  # noqa: ARG001
+        interrupted["flag"] = True
+        client.flag_failure("interrupted")
+
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        for i in tqdm(range(episodes), desc="robot episodes", disable=not progress):
+            if hasattr(arm, "reset_episode"):
+                arm.reset_episode(i)
+            elif hasattr(arm, "reset"):
+                arm.reset()
+            try:
+                res = client.run_episode(i)
+            except KeyboardInterrupt:
+                interrupted["flag"] = True
+                raise
+            idx = recorder.record(res) if recorder is not None else None
+            lat = np.asarray(res.latencies_s) if res.latencies_s else np.zeros(0)
+            ticks_after = max(0, res.steps - int(np.argmax(res.episode.extras["starved"] == 0))) if res.steps else 0
+            rows.append({"episode": i, "store_index": idx, "task": arm.task_name, "success": res.success,
+                         "failure_label": res.failure_label, "steps": res.steps,
+                         "starved_after_first": res.starved_after_first, "ticks_after_first": ticks_after,
+                         "starvation_rate": res.starved_after_first / max(1, ticks_after),
+                         "time_to_first_action_s": res.time_to_first_action_s,
+                         "latency_p50_ms": float(np.percentile(lat, 50) * 1e3) if lat.size else None,
+                         "latency_p99_ms": float(np.percentile(lat, 99) * 1e3) if lat.size else None,
+                         "overruns": res.stats.get("overruns", 0), "stopped_at_s": res.stopped_at_s})
+            if interrupted["flag"] or res.failure_label in ("watchdog", "estop"):
+                break
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+        client.close()
+    n = len(rows)
+    total_after = sum(r["ticks_after_first"] for r in rows)
+    return {"episodes": rows, "num_episodes": n, "success_rate": sum(r["success"] for r in rows) / max(1, n),
+            "starvation_rate": sum(r["starved_after_first"] for r in rows) / max(1, total_after),
+            "connect_s": connect_s, "warmup_s": ready.warmup_s, "supports_prefix": ready.supports_prefix,
+            "interrupted": interrupted["flag"]}

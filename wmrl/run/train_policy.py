@@ -78,6 +78,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     cams = list(policy.cameras)
     train_ds = WindowDataset(store, n_obs=1, horizon=h, cameras=cams, episodes=train_eps.tolist(), progress=True)
     val_ds = WindowDataset(store, n_obs=1, horizon=h, cameras=cams, episodes=val_eps.tolist()) if len(val_eps) else None
+    from policies.text import encode_instructions
+
+    encode_instructions(sorted({store.instructions[e] for e in episodes}))  # load the frozen encoder, cache
     log.info("BC on %d train episodes (%d windows), %d validation episodes", len(train_eps), len(train_ds), len(val_eps))
     report = train_bc(policy, train_ds, cfg.train, ctx.out_dir, val_dataset=val_ds)
     names = store.task_names

@@ -1,6 +1,8 @@
 """Robot client: the robot's fixed-rate control loop fed by asynchronous action chunks.
 
-Each control tick ``k`` (period ``1 / control_hz``, absolute schedule):
+Each control tick ``k`` (period ``1 / control_hz``, absolute schedule; a tick that overruns by
+more than one period re-anchors the schedule and is counted in ``stats["overruns"]``, so a
+simulator slower than real time runs at its own pace instead of racing to catch up):
 
 1. observe; if the queued future (``ActionQueue.size(k)``) is at most the request threshold
    (``max(request_threshold, ceil(latency / dt) + latency_margin_steps)``) and no request is in
@@ -315,13 +317,15 @@ class RobotClient:
         self.watchdog.kick()
         step = 0
         try:
+            tick = t0
             for step in range(max_steps):
-                tick = t0 + step * self.dt
                 now = time.monotonic()
                 if now < tick:
                     time.sleep(tick - now)
-                elif now - tick > self.dt:
+                elif now - tick > self.dt:  # a tick ran long (slow simulator): re-anchor, do not race
                     stats["overruns"] += 1
+                    tick = now
+                tick += self.dt
                 if self._estop.is_set():
                     failure = "estop"
                     break

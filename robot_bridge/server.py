@@ -69,25 +69,27 @@ class PolicyServer:
         self.rtc_beta = rtc_beta
         self.stats = {"requests": 0, "chunks": 0, "errors_sent": 0, "rejected": 0, "inference_s": []}
         self._stop = threading.Event()
+        self.last_inference_s = 0.0
 
     # ------------------------------------------------------------------ inference
     def infer(self, o: M.pb.Observation) -> np.ndarray:
         """Actions ``float32 (H, D_a)`` for one observation message (padded to the injected delay)."""
-        t0 = time.perf_counter()
         obs = obs_from_message(o)
         _, _, prefix = M.observation_arrays(o)
+        t0 = time.perf_counter()  # inference = the policy call (padded to the injected delay)
         if self.supports_prefix and prefix is not None:
             actions = self._rtc(obs, prefix, int(o.delay_steps))  # needs autograd for the guidance
         else:
             with torch.no_grad():
                 actions = self.policy.sample(obs, generator=self.generator).actions
-        a = actions.detach().to(torch.float32).cpu().numpy()
-        if a.ndim != 3 or a.shape[0] != 1 or a.shape[2] != self.action_dim:
-            raise RuntimeError(f"policy returned actions of shape {a.shape}, expected (1, H, {self.action_dim})")
         target = self.inference_delay_s + (self.rng.uniform(0, self.delay_jitter_s) if self.delay_jitter_s else 0.0)
         rest = target - (time.perf_counter() - t0)
         if rest > 0:
             time.sleep(rest)
+        self.last_inference_s = time.perf_counter() - t0
+        a = actions.detach().to(torch.float32).cpu().numpy()
+        if a.ndim != 3 or a.shape[0] != 1 or a.shape[2] != self.action_dim:
+            raise RuntimeError(f"policy returned actions of shape {a.shape}, expected (1, H, {self.action_dim})")
         return a[0]
 
     def _rtc(self, obs: Obs, prefix: np.ndarray, delay: int) -> torch.Tensor:
@@ -131,9 +133,8 @@ class PolicyServer:
                 except queue.Empty:
                     continue
                 try:
-                    t0 = time.perf_counter()
                     a = self.infer(o)
-                    dt = time.perf_counter() - t0
+                    dt = self.last_inference_s
                     self.stats["inference_s"].append(dt)
                     send(M.make_chunk(actions=a, start_step=o.step, episode=o.episode, obs_stamp_ns=o.stamp_ns,
                                       inference_s=dt, request_id=o.request_id))

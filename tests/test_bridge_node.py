@@ -93,3 +93,25 @@ def test_server_killed_mid_episode_robot_stops_and_records_failure(tmp_path):
     ep = store.episode(0)
     assert ep.length == row["steps"] and not ep.success and ep.info["failure_label"] == "watchdog"
     assert ep.extras["starved"][-1] == 1.0  # holding when stopped
+
+
+def test_boundary_jerk_counts_only_chunk_switches():
+    from wmrl.run.bench_bridge import boundary_jerk
+
+    a = np.zeros((10, 7), np.float32)
+    a[5:, 0] = 1.0  # a step exactly at the boundary between chunk 1 and 2
+    ids = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 2])
+    # boundaries at steps 3 (first, excluded) and 5: |a6 - 2a5 + a4| = 1
+    assert boundary_jerk(a, ids) == pytest.approx(1.0)
+    assert boundary_jerk(np.zeros((10, 7)), ids) == 0.0
+
+
+def test_bench_bridge_inproc_smoke(tmp_path):
+    from wmrl.run import bench_bridge
+
+    cfg = _cfg("bench_bridge", ["transports=[inproc]", "delays_s=[0.1]", "jerk_delay_s=0.1", "duration_s=2",
+                                "settle_s=0.5", "image_size=[8,8]"])
+    rep = bench_bridge.run(cfg, RunContext(cfg, out_dir=tmp_path))
+    assert {r["merge"] for r in rep["runs"]} == {"latency_aware", "naive"}
+    s = rep["summary"]["inproc"]
+    assert s["jerk_ratio"] is not None and s["jerk"] < s["naive_jerk"]

@@ -1,0 +1,196 @@
+"""``wmrl bench bridge``: the robot bridge on loopback, with a slow policy.
+
+    wmrl bench bridge [transports=[inproc,grpc,ros2]] [delays_s=[0.05,0.15,0.3]] [duration_s=10]
+
+For every transport and injected inference delay, a policy server (``wmrl serve`` in a separate
+process for gRPC / ROS 2, a thread for in-process) runs the closed-loop
+``robot_bridge.testing.TrackingPolicy`` (chunks of ``chunk_size``) and this process plays the
+robot (``robot_bridge.testing.KinematicArm``, a mock arm) at ``control_hz`` for ``duration_s``.
+Reported per run (``report.json`` and a printed table):
+
+* ``starvation_pct``: ticks the robot held for lack of actions, after the first chunk, in % of ticks;
+* ``latency_ms`` p50 / p99: observation-to-command latency (chunk in the queue minus observation
+  capture minus the server's inference time, i.e. transport + serialisation + scheduling);
+* ``ttfa_s``: time to first action from the start of the episode (the server was warmed up
+  before ``Ready``); ``ready_s``: connect + warm-up;
+* ``jerk``: mean ``|a[k+1] - 2 a[k] + a[k-1]|`` of the translation commands at chunk boundaries
+  (where the executing chunk changes, the first excluded), for the latency-aware merge and for
+  naive switching (``naive_jerk``) at ``jerk_delay_s``; ``jerk_ratio = jerk / naive_jerk``;
+* ``track_rms_mm`` and ``success`` (tracking RMS after ``settle_s`` below ``success_rms_mm``):
+  the task outcome (follow the reference circle), to compare each transport with in-process
+  execution.
+
+Wall-clock figures on this machine; other processes slow them down. Never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from robot_bridge.client import ClientConfig, RobotClient
+from robot_bridge.messages import Limits
+from robot_bridge.server import PolicyServer
+from robot_bridge.testing import KinematicArm, TrackingPolicy
+from wmrl.run.common import RunContext
+
+log = logging.getLogger("wmrl.bench_bridge")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def boundary_jerk(actions: np.ndarray, chunk_ids: np.ndarray, dims=(0, 1, 2)) -> float:
+    """Mean ``|a[k+1] - 2 a[k] + a[k-1]|`` (summed over ``dims``) at steps ``k`` where the chunk
+    being executed changes (hold steps count as chunk ``-1``); the first boundary is excluded."""
+    a = actions[:, list(dims)].astype(np.float64)
+    if len(a) < 3:
+        return float("nan")
+    d2 = np.abs(a[2:] - 2 * a[1:-1] + a[:-2]).sum(1)  # index j <-> step j+1
+    b = (np.nonzero(np.diff(chunk_ids) != 0)[0] + 1)[1:]
+    b = b[(b >= 1) & (b <= len(a) - 2)]
+    return float(d2[b - 1].mean()) if len(b) else float("nan")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server_process(kind: str, delay: float, chunk: int, out_dir: Path, domain_id: int):
+    args = [sys.executable, "-m", "wmrl.cli", "serve", f"transport={kind}", f"inference_delay_s={delay}",
+            f"policy.chunk_size={chunk}", "max_connections=1", "accept_timeout_s=120", f"hydra.run.dir={out_dir}"]
+    address = None
+    if kind == "grpc":
+        address = f"127.0.0.1:{_free_port()}"
+        args.append(f"transport.address={address}")
+    else:
+        args.append(f"transport.domain_id={domain_id}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t_end = time.monotonic() + 120
+    lines = []
+    while time.monotonic() < t_end:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        if "wmrl-serve ready" in line:
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # drain
+            return proc, address
+    proc.kill()
+    raise RuntimeError("policy server did not start:\n" + "".join(lines[-20:]))
+
+
+def run_one(kind: str, delay: float, merge: str, cfg: DictConfig, out_dir: Path, domain_id: int) -> dict:
+    """One episode of ``duration_s`` over transport ``kind`` with ``delay`` s of inference."""
+    dt = 1.0 / float(cfg.control_hz)
+    steps = int(round(float(cfg.duration_s) * float(cfg.control_hz)))
+    policy_kw = dict(chunk_size=int(cfg.chunk_size), dt=dt)
+    arm = KinematicArm(image_size=tuple(cfg.image_size), dt=dt, start=(0.0, 0.0, 0.0))
+    proc = None
+    limits = Limits(action_dim=7)
+    if kind == "inproc":
+        from robot_bridge.transports.inproc import InProcTransport
+
+        robot_end, server_end = InProcTransport.pair(limits, Limits(state_dim=9))
+        server = PolicyServer(TrackingPolicy(**policy_kw), inference_delay_s=delay)
+        threading.Thread(target=server.serve, args=(server_end,), daemon=True).start()
+        transport = robot_end
+    else:
+        proc, address = _start_server_process(kind, delay, int(cfg.chunk_size), out_dir, domain_id)
+        if kind == "grpc":
+            from robot_bridge.transports.grpc_transport import GrpcClientTransport
+
+            transport = GrpcClientTransport(address, limits)
+        else:
+            from robot_bridge.transports.ros2 import Ros2Transport
+
+            transport = Ros2Transport("robot", cameras=arm.cameras, domain_id=domain_id, limits=limits,
+                                      control_hz=float(cfg.control_hz))
+    try:
+        client = RobotClient(arm, transport, ClientConfig(control_hz=float(cfg.control_hz), merge=merge,
+                                                          max_steps=steps, stop_on_success=False,
+                                                          request_threshold=int(cfg.request_threshold)))
+        t0 = time.monotonic()
+        client.connect()
+        ready_s = time.monotonic() - t0
+        res = client.run_episode(0)
+        client.close()
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait(timeout=10)
+    ep = res.episode
+    starved = ep.extras["starved"]
+    first = int(np.argmax(starved == 0)) if np.any(starved == 0) else len(starved)
+    after = max(1, len(starved) - first)
+    lat = np.asarray(res.latencies_s) * 1e3
+    ref = TrackingPolicy(**policy_kw).reference(torch.from_numpy(ep.proprio[:, -1])).numpy()
+    settle = first + int(round(float(cfg.settle_s) * float(cfg.control_hz)))  # after the start-up transient
+    err = np.linalg.norm(ep.proprio[settle:, :3] - ref[settle:], axis=1) * 1e3
+    rms = float(np.sqrt(np.mean(err ** 2))) if err.size else float("nan")
+    return {"transport": kind, "delay_s": delay, "merge": merge, "steps": res.steps,
+            "starvation_pct": 100.0 * res.starved_after_first / after,
+            "latency_ms_p50": float(np.percentile(lat, 50)) if lat.size else None,
+            "latency_ms_p99": float(np.percentile(lat, 99)) if lat.size else None,
+            "round_trip_ms_p50": float(np.median(res.round_trips_s) * 1e3) if res.round_trips_s else None,
+            "chunks": len(lat), "ttfa_s": res.time_to_first_action_s, "ready_s": ready_s,
+            "jerk": boundary_jerk(ep.actions, ep.extras["chunk_id"]), "overruns": res.stats["overruns"],
+            "track_rms_mm": rms, "success": bool(rms < float(cfg.success_rms_mm))}
+
+
+def run(cfg: DictConfig, ctx: RunContext) -> dict:
+    from tqdm import tqdm
+
+    jobs = [(k, float(d), "latency_aware") for k in cfg.transports for d in cfg.delays_s]
+    jobs += [(k, float(cfg.jerk_delay_s), "naive") for k in cfg.transports]
+    rows = []
+    for i, (kind, delay, merge) in enumerate(tqdm(jobs, desc="bridge runs")):
+        r = run_one(kind, delay, merge, cfg, ctx.out_dir / f"server_{i:02d}_{kind}", int(cfg.domain_id) + i)
+        rows.append(r)
+        log.info("%s", r)
+    summary = {}
+    for kind in cfg.transports:
+        la = [r for r in rows if r["transport"] == kind and r["merge"] == "latency_aware"]
+        main = [r for r in la if abs(r["delay_s"] - float(cfg.jerk_delay_s)) < 1e-9]
+        naive = [r for r in rows if r["transport"] == kind and r["merge"] == "naive"]
+        s = {"starvation_pct_max": max(r["starvation_pct"] for r in la),
+             "latency_ms_p99_max": max(r["latency_ms_p99"] or 0.0 for r in la),
+             "success_all": all(r["success"] for r in la)}
+        if main and naive:
+            s["jerk"] = main[0]["jerk"]
+            s["naive_jerk"] = naive[0]["jerk"]
+            s["jerk_ratio"] = main[0]["jerk"] / naive[0]["jerk"] if naive[0]["jerk"] else None
+            s["ttfa_s"] = main[0]["ttfa_s"]
+        summary[kind] = s
+    header = f"{'transport':9} {'delay':>6} {'merge':>13} {'starve%':>8} {'p50ms':>7} {'p99ms':>7} {'ttfa_s':>7} " \
+             f"{'jerk':>7} {'rms_mm':>7} {'ok':>3} {'overrun':>7}"
+    print(header)
+    for r in rows:
+        print(f"{r['transport']:9} {r['delay_s']:6.2f} {r['merge']:>13} {r['starvation_pct']:8.2f} "
+              f"{(r['latency_ms_p50'] or 0):7.2f} {(r['latency_ms_p99'] or 0):7.2f} {r['ttfa_s']:7.3f} "
+              f"{r['jerk']:7.4f} {r['track_rms_mm']:7.2f} {int(r['success']):3d} {r['overruns']:7d}")
+    for k, s in summary.items():
+        print(f"{k}: " + ", ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}" for a, b in s.items()))
+    return {"runs": rows, "summary": summary, "config": OmegaConf.to_container(cfg, resolve=True)}
+
+
+@hydra.main(version_base="1.3", config_path="pkg://configs", config_name="bench_bridge")
+def main(cfg: DictConfig) -> None:
+    ctx = RunContext(cfg)
+    ctx.finish(run(cfg, ctx))
+
+
+if __name__ == "__main__":
+    main()

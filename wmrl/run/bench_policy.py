@@ -103,8 +103,11 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     ema = copy.deepcopy(train_pol)
     gen = torch.Generator().manual_seed(0)
 
+    bf16 = bool(cfg.get("bf16", True))
+
     def step():
-        loss, _ = train_pol.loss(batch, generator=gen)
+        with torch.autocast(device_type="cpu" if str(cfg.device) == "cpu" else "cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = train_pol.loss(batch, generator=gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, c["grad_clip"])
@@ -116,12 +119,12 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     ms = _time(step, int(cfg.train_steps), 3)
     med = float(np.median(ms))
     est_min = med * int(cfg.bc_steps) / 60000.0
-    report["bc"] = {"batch_size": b, "step_ms_median": med, "samples_per_s": b * 1000.0 / med,
+    report["bc"] = {"batch_size": b, "bf16": bf16, "step_ms_median": med, "samples_per_s": b * 1000.0 / med,
                     "bc_steps": int(cfg.bc_steps), "estimated_bc_minutes": est_min,
                     "budget_minutes": float(cfg.budget_bc_min)}
     report["within_budget"] = {"inference": report["inference_ms"]["ode"]["median"] <= cfg.budget_inference_ms,
                                "bc": est_min <= cfg.budget_bc_min}
-    print(f"BC step (batch {b}): median {med:.0f} ms, {b * 1000.0 / med:.0f} samples/s; "
+    print(f"BC step (batch {b}, bf16 autocast {bf16}): median {med:.0f} ms, {b * 1000.0 / med:.0f} samples/s; "
           f"{cfg.bc_steps} steps ~ {est_min:.1f} min (budget {cfg.budget_bc_min} min)")
     return report
 

@@ -152,6 +152,23 @@ def test_unknown_version_and_missing_action_space(exported, tmp_path):
         inspect_lerobot(foreign, action_space={"controller": "OSC_POSITION", "dim": 4})
 
 
+def test_minimal_stage_configs_and_episode_selection(exported, tmp_path):
+    """The pipeline calls run() with bare sub-configs: only the required keys."""
+    from wmrl.run.export_data import run as export_run
+    from wmrl.run.import_data import run as import_run
+    from wmrl.storage import EpisodeStore
+
+    store, _, _ = exported
+    cfg = OmegaConf.create({"store": str(store.path), "out": "sel", "episodes": [1], "progress": False})
+    rep = export_run(cfg, RunContext(cfg, out_dir=tmp_path / "r1", launch_dir=tmp_path))
+    assert rep["lengths"] == [7] and rep["verify"]["frames"] == 7 and (tmp_path / "sel" / "meta" / "info.json").is_file()
+    cfg = OmegaConf.create({"source": "sel", "out": "back", "progress": False})
+    import_run(cfg, RunContext(cfg, out_dir=tmp_path / "r2", launch_dir=tmp_path))
+    back = EpisodeStore.open(tmp_path / "back")
+    assert list(back.lengths) == [7]
+    np.testing.assert_array_equal(back.episode(0).images["agentview"], store.episode(1).images["agentview"])
+
+
 def test_export_refuses_existing_out_and_keeps_it(exported, tmp_path):
     from wmrl.storage.lerobot_io import LeRobotFormatError, export_lerobot
 

@@ -34,15 +34,16 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     store_path, out = ctx.path(cfg.store), ctx.path(cfg.out)
     store = EpisodeStore.open(store_path, mode="r")
     episodes = list(cfg.episodes) if cfg.get("episodes") is not None else None
-    rep = export_lerobot(store, out, repo_id=str(cfg.repo_id), overwrite=bool(cfg.get("overwrite", False)),
+    repo_id = str(cfg.get("repo_id") or "local/wmrl")
+    rep = export_lerobot(store, out, repo_id=repo_id, overwrite=bool(cfg.get("overwrite", False)),
                          episodes=episodes, progress=bool(cfg.get("progress", True)))
-    report = {"store": str(store_path), "out": str(out), "repo_id": str(cfg.repo_id), **rep,
+    report = {"store": str(store_path), "out": str(out), "repo_id": repo_id, **rep,
               "export_s": round(time.time() - t_start, 3)}
     if cfg.get("verify", True):
         from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
         t0 = time.time()
-        ds = LeRobotDataset(str(cfg.repo_id), root=out, video_backend="pyav")
+        ds = LeRobotDataset(repo_id, root=out, video_backend="pyav")
         got = {"episodes": int(ds.num_episodes), "frames": int(ds.num_frames)}
         want = {"episodes": rep["episodes"], "frames": rep["frames"]}
         if got != want:

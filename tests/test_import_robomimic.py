@@ -12,8 +12,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from wmrl.run.common import RunContext
-from wmrl.storage.robomimic import (DemoImportError, StateReplayRenderer, compile_mjcf, inspect_robomimic,
-                                    installed_robosuite_assets, repair_mjcf)
+from wmrl.storage.robomimic import (
+    DemoImportError,
+    StateReplayRenderer,
+    compile_mjcf,
+    inspect_robomimic,
+    installed_robosuite_assets,
+    repair_mjcf,
+)
 
 LIFT = "robosuite_demos/rs1.4.1_lift_panda/demo.hdf5"
 REFERENCE = "derived/rs1.4.1_lift_demo1_agentview_t0_t240_t481_mujoco_renderer.png"

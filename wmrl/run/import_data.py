@@ -117,8 +117,13 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     report: dict = {"format": fmt, "source": str(source), "out": str(out)}
 
     if fmt == "robomimic":
-        from wmrl.storage.robomimic import (DEFAULT_CAMERAS, DEFAULT_INSTRUCTIONS, inspect_robomimic,
-                                            read_robomimic, robosuite_version)
+        from wmrl.storage.robomimic import (
+            DEFAULT_CAMERAS,
+            DEFAULT_INSTRUCTIONS,
+            inspect_robomimic,
+            read_robomimic,
+            robosuite_version,
+        )
 
         t0 = time.time()
         demos = list(cfg.demos) if cfg.get("demos") is not None else None
@@ -131,20 +136,20 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
                  source, len(info.demos), info.lengths, info.env_name, info.robosuite_version, cameras, size)
         robots = info.env_info.get("robots", "panda")
         robots = robots[0] if isinstance(robots, (list, tuple)) and robots else robots
-        store_kwargs = dict(
+        store_kwargs = {
             # robosuite's control_freq defaults to 20 Hz; its demo files record it only when changed
-            cameras={c: size for c in cameras}, state_dim=9, action_dim=info.action_dim,
-            fps=float(info.env_info.get("control_freq", 20.0)),
-            action_space=info.action_space, embodiment=str(robots).lower(),
-            source=f"robomimic:{source} (robosuite {info.robosuite_version})",
-            info={"format": "robomimic/robosuite demo.hdf5", "file": str(source), "env": info.env_name,
+            "cameras": {c: size for c in cameras}, "state_dim": 9, "action_dim": info.action_dim,
+            "fps": float(info.env_info.get("control_freq", 20.0)),
+            "action_space": info.action_space, "embodiment": str(robots).lower(),
+            "source": f"robomimic:{source} (robosuite {info.robosuite_version})",
+            "info": {"format": "robomimic/robosuite demo.hdf5", "file": str(source), "env": info.env_name,
                   "robosuite_version_recorded": info.robosuite_version,
                   "robosuite_version_replayed": robosuite_version(), "env_info": info.env_info,
                   "proprio": "eef pos (m) + quat_wxyz of site gripper0_grip_site in robot0_base frame, "
                              "2 finger qpos (m)",
                   "success": "robomimic/robosuite demos are kept only when successful: success=True, "
                              "reward 1 at the last step"},
-        )
+        }
         episodes = read_robomimic(info, cameras=cameras, image_size=size, instruction=instruction,
                                   task_name=cfg.get("task_name"), progress=progress,
                                   render_effects=bool(cfg.get("render_effects", True)))

@@ -40,9 +40,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -136,8 +136,11 @@ def export_lerobot(store, out: str | os.PathLike, repo_id: str = "local/wmrl", o
     lengths = store.lengths
     total = int(sum(int(lengths[i]) for i in idx))
     ep_meta = []
+    fps = float(meta["fps"])
+    if abs(fps - round(fps)) > 1e-9:
+        raise LeRobotFormatError(out, f"the store's fps={fps} is not an integer; LeRobotDataset stores integer fps")
     try:
-        ds = LeRobotDataset.create(repo_id=repo_id, fps=int(round(float(meta["fps"]))), features=features,
+        ds = LeRobotDataset.create(repo_id=repo_id, fps=round(fps), features=features,
                                    root=tmp, robot_type=str(meta.get("embodiment") or "unknown"),
                                    use_videos=False, video_backend="pyav")
         bar = tqdm(total=total, desc="export frames", disable=not progress)
@@ -251,7 +254,7 @@ def inspect_lerobot(path: str | os.PathLike, repo_id: str | None = None,
         raise LeRobotFormatError(
             path, "the dataset does not declare how its actions are read (delta or absolute, frame, gripper "
                   "sign) and no action_space was given; pass e.g. action_space={controller: OSC_POSE, "
-                  "mode: delta, dim: %d}" % action_dim)
+                  f"mode: delta, dim: {action_dim}}}")
     if isinstance(action_space, Mapping):
         action_space = ActionSpace.from_dict(dict(action_space))
     if int(action_space.dim) != action_dim:
@@ -320,7 +323,7 @@ def read_lerobot(src: LeRobotSource, progress: bool = True) -> Iterator[Episode]
 
     try:
         ds = LeRobotDataset(src.repo_id, root=src.path, video_backend="pyav")
-    except Exception as e:  # lerobot raises many kinds for unreadable folders
+    except Exception as e:  # noqa: BLE001 - lerobot raises many kinds for unreadable folders
         raise LeRobotFormatError(src.path, f"lerobot cannot load it: {type(e).__name__}: {e}") from None
     feats = ds.meta.features
     wmeta_eps = (src.wmrl_meta or {}).get("episodes")

@@ -47,9 +47,9 @@ import json
 import os
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -95,7 +95,7 @@ def installed_robosuite_assets() -> Path:
     spec = importlib.util.find_spec("robosuite")
     if spec is None or not spec.submodule_search_locations:
         raise DemoImportError("robosuite", "robosuite is not installed; `pip install robosuite==1.5.1`")
-    return Path(list(spec.submodule_search_locations)[0]) / "models" / "assets"
+    return Path(next(iter(spec.submodule_search_locations))) / "models" / "assets"
 
 
 def robosuite_version() -> str:
@@ -257,7 +257,7 @@ def compile_mjcf(xml: str):
 
     try:
         return mujoco.MjModel.from_xml_string(xml)
-    except Exception as e:  # mujoco raises ValueError with the parser / compiler message
+    except Exception as e:  # noqa: BLE001 - any MuJoCo parser/compiler failure becomes one clear ValueError
         msg = " ".join(str(e).split())
         raise ValueError(f"MuJoCo cannot compile the repaired MJCF: {msg}") from None
 
@@ -361,7 +361,7 @@ def inspect_robomimic(path: str | os.PathLike, demos: Sequence[str] | None = Non
                 env_info = ea.get("env_kwargs", {})
             except (TypeError, ValueError):
                 pass
-        keys = sorted([k for k in data.keys() if k.startswith("demo")], key=_demo_sort_key)
+        keys = sorted([k for k in data if k.startswith("demo")], key=_demo_sort_key)
         if demos is not None:
             unknown = [d for d in demos if d not in keys]
             if unknown:
@@ -443,7 +443,7 @@ def _find_names(model, path=None, demo=None) -> dict:
     import mujoco
 
     site, site_name = _first_id(model, mujoco.mjtObj.mjOBJ_SITE, EEF_SITES)
-    base, base_name = _first_id(model, mujoco.mjtObj.mjOBJ_BODY, BASE_BODIES)
+    base, _ = _first_id(model, mujoco.mjtObj.mjOBJ_BODY, BASE_BODIES)
     fingers = None
     for pair in FINGER_JOINTS:
         ids = [mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_JOINT, n) for n in pair]

@@ -511,7 +511,12 @@ class StateReplayRenderer:
         model.vis.global_.offheight = max(int(model.vis.global_.offheight), h)
         self.cameras = list(cameras)
         self.names = _find_names(model)
-        self.renderer = mujoco.Renderer(model, height=h, width=w) if self.cameras else None
+        try:
+            self.renderer = mujoco.Renderer(model, height=h, width=w) if self.cameras else None
+        except Exception as e:  # noqa: BLE001 - no GL context: say how to get one
+            raise RuntimeError(
+                f"cannot create an offscreen OpenGL context for MuJoCo (MUJOCO_GL={os.environ.get('MUJOCO_GL')!r}): "
+                f"{e}. Headless machines need MUJOCO_GL=egl (or osmesa) set before mujoco is imported") from None
         if self.renderer is not None and not render_effects:
             self.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
             self.renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0

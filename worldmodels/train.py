@@ -55,11 +55,12 @@ def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
-    """Linear warm-up for ``warmup`` steps, then cosine decay to 10 % of ``lr`` at ``total``."""
+def lr_at(step: int, total: int, lr: float, warmup: int, time_frac: float = 0.0) -> float:
+    """Linear warm-up for ``warmup`` steps, then cosine decay to 10 % of ``lr`` at ``total`` steps or
+    at the end of the time budget (``time_frac`` = fraction of it used), whichever comes first."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    frac = min(1.0, max((step - warmup) / max(1, total - warmup), time_frac))
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
@@ -86,6 +87,30 @@ def _resume(out_dir: Path, opt_factory):
     rng = np.random.default_rng()
     rng.bit_generator.state = meta["rng"]
     return model, opt, int(meta["step"]), rng
+
+
+class BudgetClock:
+    """Elapsed training time for the ``max_minutes`` budget.
+
+    ``"wall"``: wall-clock seconds. ``"process"``: this process's CPU seconds divided by the torch
+    thread count, i.e. the wall time the same work takes on an otherwise idle machine (use it when
+    other jobs share the CPU; spin-waiting under contention still counts, so it is conservative).
+    """
+
+    def __init__(self, kind: str = "wall"):
+        if kind not in ("wall", "process"):
+            raise ValueError(f"budget_clock must be 'wall' or 'process', got {kind!r}")
+        self.kind = kind
+        self.w0, self.p0 = time.time(), time.process_time()
+
+    def wall(self) -> float:
+        return time.time() - self.w0
+
+    def process(self) -> float:
+        return (time.process_time() - self.p0) / max(1, torch.get_num_threads())
+
+    def elapsed(self) -> float:
+        return self.wall() if self.kind == "wall" else self.process()
 
 
 def _writer(out_dir: Path, enabled: bool):
@@ -166,7 +191,7 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
                       max_minutes: float | None = None, log_every: int = 25, eval_every: int = 250,
                       checkpoint_every: int = 250, video_chunks: int = 8, resume: bool = True,
                       tensorboard: bool = True, progress: bool = True, seed: int = 0,
-                      p_deterministic: float = 0.25, p_pure_noise: float = 0.25) -> dict:
+                      p_deterministic: float = 0.25, p_pure_noise: float = 0.25, budget_clock: str = "wall") -> dict:
     """Train ``model`` on chunk windows of ``train``; returns a report dict.
 
     ``model_config`` is the model's constructor arguments (saved in the checkpoint). Stats are fitted
@@ -187,14 +212,15 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
     start_step = step
     gen = torch.Generator().manual_seed(seed + step)
     writer = _writer(out_dir, tensorboard)
-    t0 = time.time()
+    clock = BudgetClock(budget_clock)
     model.train()
     hist: list[float] = []
     bar = tqdm(total=steps, initial=step, desc="train world model", disable=not progress, dynamic_ncols=True)
     stopped_by_time = False
     while step < steps:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup)
+            g["lr"] = lr_at(step, steps, lr, warmup,
+                            clock.elapsed() / (60 * max_minutes) if max_minutes else 0.0)
         w = train.sample_windows(batch_size, H, rng)
         out = model.loss(w.frames, w.proprio, w.actions, w.next_frames, w.next_proprio, generator=gen,
                          p_deterministic=p_deterministic, p_pure_noise=p_pure_noise)
@@ -213,7 +239,7 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
                 writer.add_scalar("train/proprio_mse", float(out["proprio"]), step)
                 writer.add_scalar("train/grad_norm", float(gn), step)
                 writer.add_scalar("train/lr", opt.param_groups[0]["lr"], step)
-        over = max_minutes is not None and (time.time() - t0) > 60 * max_minutes
+        over = max_minutes is not None and clock.elapsed() > 60 * max_minutes
         if heldout is not None and writer and (step % eval_every == 0 or step == steps or over):
             model.eval()
             p_model, p_copy = one_chunk_psnr(model, heldout)
@@ -231,7 +257,8 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
     if writer:
         writer.close()
     model.eval()
-    report = {"steps": step, "steps_this_run": step - start_step, "train_seconds": round(time.time() - t0, 1),
+    report = {"steps": step, "steps_this_run": step - start_step, "train_seconds": round(clock.wall(), 1),
+              "train_cpu_seconds_per_thread": round(clock.process(), 1), "budget_clock": budget_clock,
               "final_loss": float(np.mean(hist[-log_every:])) if hist else None, "stopped_by_time": stopped_by_time,
               "resumed_from": start_step if resumed is not None else None,
               "parameters": sum(p.numel() for p in model.parameters()),
@@ -264,7 +291,7 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
                  weight_decay: float = 1e-4, warmup: int = 50, success_tail: int = 10, fail_progress: float = 0.3,
                  max_minutes: float | None = None, log_every: int = 25, eval_every: int = 250,
                  checkpoint_every: int = 250, resume: bool = True, tensorboard: bool = True,
-                 progress: bool = True, seed: int = 0, augment: bool = True) -> dict:
+                 progress: bool = True, seed: int = 0, augment: bool = True, budget_clock: str = "wall") -> dict:
     """Train the progress-value critic on every frame of ``train`` (targets from
     :meth:`EpisodeFrames.frame_labels`); returns a report dict (held-out AUROC when given)."""
     from worldmodels.evaluate import critic_auroc
@@ -287,14 +314,15 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
         opt, step, rng = make_opt(critic), 0, np.random.default_rng(seed)
     start_step = step
     writer = _writer(out_dir, tensorboard)
-    t0 = time.time()
+    clock = BudgetClock(budget_clock)
     critic.train()
     hist: list[float] = []
     bar = tqdm(total=steps, initial=step, desc="train critic", disable=not progress, dynamic_ncols=True)
     stopped_by_time = False
     while step < steps:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup)
+            g["lr"] = lr_at(step, steps, lr, warmup,
+                            clock.elapsed() / (60 * max_minutes) if max_minutes else 0.0)
         idx = rng.integers(0, len(prog_all), size=batch_size)
         frames = torch.from_numpy(train.images[idx])
         if augment:
@@ -315,7 +343,7 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
                 for k in ("loss", "progress", "success"):
                     writer.add_scalar(f"train/{k}", float(out[k].detach()), step)
                 writer.add_scalar("train/lr", opt.param_groups[0]["lr"], step)
-        over = max_minutes is not None and (time.time() - t0) > 60 * max_minutes
+        over = max_minutes is not None and clock.elapsed() > 60 * max_minutes
         if heldout is not None and writer and (step % eval_every == 0 or step == steps or over):
             critic.eval()
             au = critic_auroc(critic, heldout)
@@ -331,7 +359,8 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
     if writer:
         writer.close()
     critic.eval()
-    report = {"steps": step, "steps_this_run": step - start_step, "train_seconds": round(time.time() - t0, 1),
+    report = {"steps": step, "steps_this_run": step - start_step, "train_seconds": round(clock.wall(), 1),
+              "train_cpu_seconds_per_thread": round(clock.process(), 1), "budget_clock": budget_clock,
               "final_loss": float(np.mean(hist[-log_every:])) if hist else None, "stopped_by_time": stopped_by_time,
               "resumed_from": start_step if resumed is not None else None, "pos_weight": pos_weight,
               "parameters": sum(p.numel() for p in critic.parameters()),

@@ -34,7 +34,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         success_tail=int(tc.success_tail), fail_progress=float(tc.fail_progress), max_minutes=tc.max_minutes,
         log_every=int(tc.log_every), eval_every=int(tc.eval_every), checkpoint_every=int(tc.checkpoint_every),
         resume=bool(cfg.resume), tensorboard=bool(tc.tensorboard), progress=bool(cfg.progress),
-        seed=int(cfg.seed), augment=bool(tc.augment))
+        seed=int(cfg.seed), augment=bool(tc.augment), budget_clock=str(tc.budget_clock))
     report.update(store=str(ctx.path(cfg.store)), train_episodes=train.num_episodes,
                   heldout_episodes=held.num_episodes, train_success_rate=float(train.success.mean()))
     return report

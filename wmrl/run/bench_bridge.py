@@ -67,9 +67,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server_process(kind: str, delay: float, chunk: int, out_dir: Path, domain_id: int):
+def _start_server_process(kind: str, delay: float, chunk: int, out_dir: Path, domain_id: int, process: dict):
     args = [sys.executable, "-m", "wmrl.cli", "serve", f"transport={kind}", f"inference_delay_s={delay}",
             f"policy.chunk_size={chunk}", "max_connections=1", "accept_timeout_s=120", f"hydra.run.dir={out_dir}"]
+    args += [f"process.{k}={'null' if v is None else v}" for k, v in process.items()]
     address = None
     if kind == "grpc":
         address = f"127.0.0.1:{_free_port()}"
@@ -108,7 +109,8 @@ def run_one(kind: str, delay: float, merge: str, cfg: DictConfig, out_dir: Path,
         threading.Thread(target=server.serve, args=(server_end,), daemon=True).start()
         transport = robot_end
     else:
-        proc, address = _start_server_process(kind, delay, int(cfg.chunk_size), out_dir, domain_id)
+        proc, address = _start_server_process(kind, delay, int(cfg.chunk_size), out_dir, domain_id,
+                                              OmegaConf.to_container(cfg.process))
         if kind == "grpc":
             from robot_bridge.transports.grpc_transport import GrpcClientTransport
 
@@ -153,6 +155,9 @@ def run_one(kind: str, delay: float, merge: str, cfg: DictConfig, out_dir: Path,
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from tqdm import tqdm
 
+    from robot_bridge.process import tune_process
+
+    tuned = tune_process(cfg.process.get("nice"), cfg.process.get("switch_interval_s"))
     jobs = [(k, float(d), "latency_aware") for k in cfg.transports for d in cfg.delays_s]
     jobs += [(k, float(cfg.jerk_delay_s), "naive") for k in cfg.transports]
     rows = []
@@ -183,7 +188,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
               f"{r['jerk']:7.4f} {r['track_rms_mm']:7.2f} {int(r['success']):3d} {r['overruns']:7d}")
     for k, s in summary.items():
         print(f"{k}: " + ", ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}" for a, b in s.items()))
-    return {"runs": rows, "summary": summary, "config": OmegaConf.to_container(cfg, resolve=True)}
+    return {"runs": rows, "summary": summary, "process": tuned, "config": OmegaConf.to_container(cfg, resolve=True)}
 
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="bench_bridge")

@@ -85,6 +85,9 @@ def start_inproc_server(cfg: DictConfig, ctx: RunContext, limits_robot: Limits):
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from wmrl.storage import EpisodeStore
 
+    from robot_bridge.process import tune_process
+
+    tuned = tune_process(cfg.process.get("nice"), cfg.process.get("switch_interval_s"))
     arm, action_space, embodiment = build_arm(cfg)
     limits = Limits(action_dim=arm.action_dim)
     if cfg.transport.kind == "inproc":
@@ -107,6 +110,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     summary["store"] = str(store_path)
     summary["recorded"] = recorder.indices
     summary["transport"] = cfg.transport.kind
+    summary["process"] = tuned
     for r in summary["episodes"]:
         log.info("episode %d %s: success=%s label=%r steps=%d starved=%d ttfa=%.3fs p99=%s ms", r["episode"],
                  r["task"], r["success"], r["failure_label"], r["steps"], r["starved_after_first"],

@@ -93,6 +93,9 @@ def make_server(cfg: DictConfig, ctx: RunContext) -> PolicyServer:
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     if cfg.transport.kind == "inproc":
         raise ValueError("transport=inproc runs the server inside `wmrl robot`; use transport=grpc or ros2")
+    from robot_bridge.process import tune_process
+
+    tuned = tune_process(cfg.process.get("nice"), cfg.process.get("switch_interval_s"))
     server = make_server(cfg, ctx)
     endpoint = instantiate(cfg.transport.server, limits=server.limits)
     address = getattr(endpoint, "address", f"ros2 domain {cfg.transport.get('domain_id')}")
@@ -123,7 +126,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         elif hasattr(endpoint, "close"):
             endpoint.close()
     inf = server.stats["inference_s"]
-    return {"sessions": sessions, "address": address,
+    return {"sessions": sessions, "address": address, "process": tuned,
             "inference_s_mean": sum(inf) / len(inf) if inf else None, "inference_calls": len(inf)}
 
 

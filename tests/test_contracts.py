@@ -111,3 +111,68 @@ def test_flow_vla_policy_contract():
     # GRPO recomputes on minibatches: the log-prob of a subset matches (up to float rounding)
     sub = pol.log_prob(obs.index([0, 2]), s.index(torch.tensor([0, 2])))
     assert torch.allclose(sub, s.log_prob[[0, 2]], atol=1e-3)
+
+
+# ---------------------------------------------------------------------- Transport: robot_bridge.transports
+# in-process, gRPC (127.0.0.1) and ROS 2 (Cyclone DDS, loopback-only config): same protocol, same behaviour.
+
+
+def _transport_pairs():
+    import os
+
+    from robot_bridge.messages import Limits
+    from robot_bridge.transports.grpc_transport import GrpcClientTransport, GrpcServer
+    from robot_bridge.transports.inproc import InProcTransport
+    from robot_bridge.transports.ros2 import Ros2Transport
+
+    robot_lim, server_lim = Limits(action_dim=7), Limits(state_dim=9)
+    yield "inproc", InProcTransport.pair(robot_lim, server_lim), None
+    gs = GrpcServer("127.0.0.1:0", server_lim)
+    robot = GrpcClientTransport(gs.address, robot_lim, connect_timeout_s=5)
+    robot.send_bytes(b"\x2a\x00")  # a heartbeat envelope opens the stream
+    server = gs.accept(timeout=5)
+    server.recv(timeout=5)
+    yield "grpc", (robot, server), gs
+    dom = 150 + os.getpid() % 50
+    srv = Ros2Transport("server", cameras=["agentview"], domain_id=dom, limits=server_lim)
+    rob = Ros2Transport("robot", cameras=["agentview"], domain_id=dom, limits=robot_lim)
+    assert rob.wait_for_peer(5) and srv.wait_for_peer(5)
+    yield "ros2", (rob, srv), None
+
+
+def test_transport_contract():
+    import time
+
+    import numpy as np
+
+    from robot_bridge import messages as M
+    from wmrl.interfaces import Transport
+
+    def recv_kind(t, kind):
+        t_end = time.monotonic() + 5
+        while time.monotonic() < t_end:
+            env = t.recv(timeout=0.1)
+            if env is not None and M.kind(env) == kind:
+                return env
+        raise AssertionError(f"no {kind}")
+
+    for name, (robot, server), extra in _transport_pairs():
+        assert isinstance(robot, Transport) and isinstance(server, Transport), name
+        assert robot.recv(timeout=0.05) is None, name  # nothing pending: None after the timeout
+        obs = M.make_observation(episode=1, step=4, proprio=np.arange(9), images={"agentview": np.zeros((8, 8, 3))},
+                                 task="lift", request=True, request_id=3)
+        robot.send(obs)
+        got = recv_kind(server, "observation").observation
+        assert (got.step, got.request_id, len(got.proprio)) == (4, 3, 9), name
+        server.send(M.make_chunk(actions=np.ones((16, 7)), start_step=4, obs_stamp_ns=got.stamp_ns, request_id=3))
+        ch = recv_kind(robot, "chunk").chunk
+        assert M.chunk_array(ch).shape == (16, 7) and ch.start_step == 4, name
+        server.send(M.make_chunk(actions=np.ones((16, 5)), start_step=4))  # wrong D_a for this robot
+        t_end = time.monotonic() + 5
+        with __import__("pytest").raises(M.MessageError):
+            while time.monotonic() < t_end:
+                robot.recv(timeout=0.1)
+        robot.close()
+        server.close()
+        if extra is not None:
+            extra.stop(0)

@@ -113,6 +113,51 @@ def test_flow_vla_policy_contract():
     assert torch.allclose(sub, s.log_prob[[0, 2]], atol=1e-3)
 
 
+# ---------------------------------------------------------------------- WorldModel / ProgressCritic / ChunkEnv:
+# worldmodels.video_wm.ChunkFlowWorldModel, worldmodels.critic.ProgressValueCritic, wmrl.imagination.ImaginationEnv
+# (section owned by the worldmodels package)
+
+
+def test_worldmodel_critic_and_imagination_env_contracts():
+    import pytest
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from wmrl.imagination import ImaginationEnv
+    from wmrl.interfaces import ChunkEnv, ProgressCritic, WorldModel
+    from wmrl.types import Start
+
+    wm = instantiate(OmegaConf.load("configs/worldmodel/tiny.yaml"), _convert_="all").eval()
+    wm.set_norm_stats(torch.randn(16, 9), torch.randn(16, 9))
+    cr = instantiate(OmegaConf.load("configs/critic/tiny.yaml"), _convert_="all").eval()
+    cr.set_norm_stats(torch.randn(16, 9))
+    assert isinstance(wm, WorldModel) and isinstance(cr, ProgressCritic)
+    g = torch.Generator().manual_seed(0)
+    obs = Obs({c: torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8, generator=g) for c in (AGENTVIEW, EYE_IN_HAND)},
+              torch.randn(3, 9, generator=g), ["lift the red cube"] * 3).validate()
+    state = wm.init(obs)
+    state2, pred = wm.imagine(state, torch.zeros(3, wm.chunk_size, 7), generator=torch.Generator().manual_seed(1))
+    pred.validate()
+    assert pred.images[AGENTVIEW].shape == (3, 3, 32, 32) and pred.proprio.dtype == torch.float32
+    wm.imagine(state, torch.zeros(3, wm.chunk_size, 7))          # the old state is still usable (explicit state)
+    p, s = cr.progress(pred), cr.success_prob(pred)
+    assert p.shape == s.shape == (3,) and ((p >= 0) & (p <= 1)).all() and ((s >= 0) & (s <= 1)).all()
+    env = ImaginationEnv(wm, cr, num_envs=3, max_chunks=2, success_threshold=2.0)
+    assert isinstance(env, ChunkEnv) and env.num_envs == 3 and env.action_dim == 7
+    starts = [Start("lift_red", "lift the red cube", context=obs.index([i])) for i in range(3)]
+    env.reset(starts).validate()
+    r1 = env.step(torch.zeros(3, wm.chunk_size, 7))
+    r1.obs.validate()
+    assert r1.reward.dtype == torch.float32 and r1.steps_executed.dtype == torch.int64
+    assert r1.steps_executed.tolist() == [wm.chunk_size] * 3 and not r1.done.any()
+    r2 = env.step(torch.zeros(3, wm.chunk_size, 7))
+    assert r2.truncated.all() and not r2.terminated.any() and "final_obs" in r2.info
+    # auto-reset brought every slot back to its start frame
+    assert torch.equal(r2.obs.images[AGENTVIEW], obs.images[AGENTVIEW])
+    with pytest.raises(ValueError):
+        env.step(torch.zeros(3, 7))
+
+
 # ---------------------------------------------------------------------- Transport: robot_bridge.transports
 # in-process, gRPC (127.0.0.1) and ROS 2 (Cyclone DDS, loopback-only config): same protocol, same behaviour.
 

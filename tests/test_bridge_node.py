@@ -115,3 +115,33 @@ def test_bench_bridge_inproc_smoke(tmp_path):
     assert {r["merge"] for r in rep["runs"]} == {"latency_aware", "naive"}
     s = rep["summary"]["inproc"]
     assert s["jerk_ratio"] is not None and s["jerk"] < s["naive_jerk"]
+
+
+def test_flow_rtc_adapter_matches_policy_sampler_and_freezes_prefix():
+    import torch
+
+    from policies.flow_vla import FlowVLAPolicy
+    from robot_bridge.rtc import RTCFlowPolicy, rtc_sample
+    from wmrl.run.serve import FlowRTCAdapter
+    from wmrl.storage import NormStats
+    from wmrl.types import Obs
+
+    pol = FlowVLAPolicy(cameras=["agentview"], image_size=[16, 16], state_dim=9, action_dim=7, chunk_size=4,
+                        encoder={"kind": "conv", "channels": [8, 16], "out_dim": 16}, lang_dim=16, proprio_dim=8,
+                        cond_dim=32, head_width=32, head_depth=1, time_dim=16)
+    rng = np.random.default_rng(0)
+    pol.set_norm_stats(NormStats.from_data({"proprio": rng.standard_normal((200, 9)),
+                                            "actions": np.clip(rng.standard_normal((200, 7)), -1, 1)})).eval()
+    ad = FlowRTCAdapter(pol)
+    assert isinstance(ad, RTCFlowPolicy)
+    g = torch.Generator().manual_seed(0)
+    obs = Obs({"agentview": torch.randint(0, 256, (1, 3, 16, 16), generator=g, dtype=torch.uint8)},
+              torch.randn(1, 9, generator=g), ["lift the red cube"])
+    ref = pol.sample(obs, generator=torch.Generator().manual_seed(5)).actions
+    noise = torch.randn(1, 4, 7, generator=torch.Generator().manual_seed(5))
+    x = rtc_sample(ad.rtc_velocity_fn(obs), noise, None, 0, num_steps=ad.num_steps)
+    torch.testing.assert_close(ad.from_flow_space(x), ref, atol=1e-5, rtol=1e-4)  # same flow, same convention
+    prefix = torch.full((3, 7), 0.5)
+    y = ad.to_flow_space(prefix)
+    xg = rtc_sample(ad.rtc_velocity_fn(obs), noise, y, delay=2, num_steps=ad.num_steps)
+    torch.testing.assert_close(ad.from_flow_space(xg)[0, :2], prefix[:2], atol=1e-5, rtol=1e-5)

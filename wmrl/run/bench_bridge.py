@@ -20,6 +20,10 @@ Reported per run (``report.json`` and a printed table):
   the task outcome (follow the reference circle), to compare each transport with in-process
   execution.
 
+With ``e2e.enabled=true`` it instead runs ``wmrl serve`` and ``wmrl robot`` as separate processes
+(the MuJoCo arm on a sim-suite task by default) for each transport and delay of ``e2e`` and
+reports success rate, starvation, latency and overruns per run, to compare with in-process.
+
 Wall-clock figures on this machine; other processes slow them down. Never asserted in tests.
 """
 
@@ -152,12 +156,84 @@ def run_one(kind: str, delay: float, merge: str, cfg: DictConfig, out_dir: Path,
             "track_rms_mm": rms, "success": bool(rms < float(cfg.success_rms_mm))}
 
 
+def run_e2e(cfg: DictConfig, ctx: RunContext) -> list[dict]:
+    """``wmrl serve`` and ``wmrl robot`` as separate processes (the robot on a sim-suite task, or any
+    ``arm.kind``) for every transport and delay of ``cfg.e2e``; returns one row per run from the
+    robot's report (success rate, starvation, latencies, overruns)."""
+    import json
+
+    e = cfg.e2e
+    rows = []
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc_over = [f"process.{k}={'null' if v is None else v}" for k, v in OmegaConf.to_container(cfg.process).items()]
+    i = 0
+    for kind in e.transports:
+        for delay in e.delays_s:
+            i += 1
+            run_dir = ctx.out_dir / "e2e" / f"{i:02d}_{kind}_{int(1000 * float(delay))}ms"
+            robot_args = [sys.executable, "-m", "wmrl.cli", "robot", f"transport={kind}", f"episodes={e.episodes}",
+                          f"control.max_steps={e.max_steps}", f"control.control_hz={e.control_hz}",
+                          f"hydra.run.dir={run_dir / 'robot'}", *proc_over, *list(e.robot_overrides)]
+            server = None
+            if kind == "inproc":
+                robot_args += [f"inproc_server.inference_delay_s={delay}"]
+                if e.checkpoint:
+                    robot_args += [f"inproc_server.checkpoint={ctx.path(e.checkpoint)}"]
+            else:
+                serve_args = [sys.executable, "-m", "wmrl.cli", "serve", f"transport={kind}",
+                              f"inference_delay_s={delay}", "max_connections=1", "accept_timeout_s=300",
+                              f"hydra.run.dir={run_dir / 'serve'}", *proc_over]
+                if e.checkpoint:
+                    serve_args.append(f"checkpoint={ctx.path(e.checkpoint)}")
+                if kind == "grpc":
+                    addr = f"127.0.0.1:{_free_port()}"
+                    serve_args.append(f"transport.address={addr}")
+                    robot_args.append(f"transport.address={addr}")
+                else:
+                    serve_args.append(f"transport.domain_id={int(cfg.domain_id) + 40 + i}")
+                    robot_args.append(f"transport.domain_id={int(cfg.domain_id) + 40 + i}")
+                server = subprocess.Popen(serve_args, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL)
+            try:
+                subprocess.run(robot_args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               timeout=float(e.timeout_s), check=False)
+            finally:
+                if server is not None:
+                    server.kill()
+                    server.wait(timeout=10)
+            rep_path = run_dir / "robot" / "report.json"
+            if not rep_path.is_file():
+                rows.append({"transport": kind, "delay_s": float(delay), "error": "robot wrote no report"})
+                continue
+            rep = json.loads(rep_path.read_text())
+            eps = rep["episodes"]
+            rows.append({"transport": kind, "delay_s": float(delay), "episodes": len(eps),
+                         "success_rate": rep["success_rate"], "starvation_pct": 100 * rep["starvation_rate"],
+                         "latency_ms_p99_max": max((r["latency_p99_ms"] or 0) for r in eps),
+                         "ttfa_s_mean": float(np.mean([r["time_to_first_action_s"] for r in eps])),
+                         "steps_mean": float(np.mean([r["steps"] for r in eps])),
+                         "duration_s_mean": float(np.mean([r["steps"] for r in eps])) / float(e.control_hz),
+                         "overruns": int(sum(r["overruns"] for r in eps)),
+                         "labels": [r["failure_label"] for r in eps]})
+            log.info("e2e %s", rows[-1])
+    print(f"{'transport':9} {'delay':>6} {'success':>8} {'starve%':>8} {'p99ms':>7} {'ttfa_s':>7} {'steps':>6} {'overrun':>7}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['transport']:9} {r['delay_s']:6.2f} {r['error']}")
+            continue
+        print(f"{r['transport']:9} {r['delay_s']:6.2f} {r['success_rate']:8.2f} {r['starvation_pct']:8.2f} "
+              f"{r['latency_ms_p99_max']:7.2f} {r['ttfa_s_mean']:7.3f} {r['steps_mean']:6.1f} {r['overruns']:7d}")
+    return rows
+
+
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from tqdm import tqdm
 
     from robot_bridge.process import tune_process
 
     tuned = tune_process(cfg.process.get("nice"), cfg.process.get("switch_interval_s"))
+    if cfg.e2e.enabled:
+        return {"e2e": run_e2e(cfg, ctx), "process": tuned, "config": OmegaConf.to_container(cfg, resolve=True)}
     jobs = [(k, float(d), "latency_aware") for k in cfg.transports for d in cfg.delays_s]
     jobs += [(k, float(cfg.jerk_delay_s), "naive") for k in cfg.transports]
     rows = []

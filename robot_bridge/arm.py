@@ -132,7 +132,9 @@ def run_node(arm, transport, episodes: int, client_cfg: ClientConfig | None = No
     """Connect to the policy server and run ``episodes`` episodes of ``arm`` in real time,
     recording each (also failed, e-stopped and watchdog-stopped ones) with ``recorder``.
 
-    SIGTERM / Ctrl-C end the current episode as failed (label ``interrupted``), record it and stop.
+    SIGTERM ends the current episode as failed (label ``operator:interrupted``), records it and
+    stops; SIGUSR1 is an e-stop (the arm stops at once, the episode is recorded as ``estop``);
+    SIGUSR2 flags the current episode as an operator failure (``operator:operator``).
 
     Returns a summary dict: per-episode outcome, starvation, latencies, time to first action.
     """
@@ -151,9 +153,12 @@ def run_node(arm, transport, episodes: int, client_cfg: ClientConfig | None = No
         interrupted["flag"] = True
         client.flag_failure("interrupted")
 
-    old = None
+    old = {}
     if threading.current_thread() is threading.main_thread():
-        old = signal.signal(signal.SIGTERM, on_term)
+        old[signal.SIGTERM] = signal.signal(signal.SIGTERM, on_term)
+        # operator controls for a headless node: SIGUSR1 = e-stop, SIGUSR2 = flag the episode as failed
+        old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda *_: client.estop("operator signal"))
+        old[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, lambda *_: client.flag_failure("operator"))
     try:
         for i in tqdm(range(episodes), desc="robot episodes", disable=not progress):
             if hasattr(arm, "reset_episode"):
@@ -179,8 +184,8 @@ def run_node(arm, transport, episodes: int, client_cfg: ClientConfig | None = No
             if interrupted["flag"] or res.failure_label in ("watchdog", "estop"):
                 break
     finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
         client.close()
     n = len(rows)
     total_after = sum(r["ticks_after_first"] for r in rows)

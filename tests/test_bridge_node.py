@@ -145,3 +145,26 @@ def test_flow_rtc_adapter_matches_policy_sampler_and_freezes_prefix():
     y = ad.to_flow_space(prefix)
     xg = rtc_sample(ad.rtc_velocity_fn(obs), noise, y, delay=2, num_steps=ad.num_steps)
     torch.testing.assert_close(ad.from_flow_space(xg)[0, :2], prefix[:2], atol=1e-5, rtol=1e-5)
+
+
+def test_operator_estop_signal_stops_node_and_records_episode(tmp_path):
+    from wmrl.storage import EpisodeStore
+
+    port = _free_port()
+    addr = f"transport.address=127.0.0.1:{port}"
+    server = _wmrl(["serve", "transport=grpc", addr, "accept_timeout_s=60"], tmp_path / "srv")
+    try:
+        _wait_line(server, "wmrl-serve ready")
+        robot = _wmrl(["robot", "transport=grpc", addr, "arm.kind=target", "episodes=3", "control.max_steps=400",
+                       f"store={tmp_path / 'eps'}"], tmp_path / "rob")
+        _wait_line(robot, "connected to the policy server")
+        time.sleep(1.0)
+        robot.send_signal(signal.SIGUSR1)  # operator e-stop
+        out, _ = robot.communicate(timeout=60)
+    finally:
+        server.kill()
+    assert robot.returncode == 0, out
+    rep = json.loads((tmp_path / "rob" / "report.json").read_text())
+    assert rep["num_episodes"] == 1 and rep["episodes"][0]["failure_label"] == "estop"  # no further episode
+    ep = EpisodeStore.open(tmp_path / "eps").episode(0)
+    assert ep.info["failure_label"] == "estop" and ep.info["estop_reason"] == "operator signal"

@@ -145,7 +145,7 @@ def _to_rosbags(ts, typename, msg):
             kwargs[name] = [_to_rosbags(ts, desc[1][0][1], x) for x in v]
         elif kind.name == "SEQUENCE" and desc[1][0][1][0] != "string":
             dtype = {"float64": np.float64, "float32": np.float32, "uint8": np.uint8}[desc[1][0][1][0]]
-            kwargs[name] = np.asarray(v, dtype=dtype)
+            kwargs[name] = np.frombuffer(v, dtype=dtype) if isinstance(v, bytes) else np.asarray(v, dtype=dtype)
         else:
             kwargs[name] = v
     return cls(**kwargs)
@@ -157,7 +157,7 @@ def _samples():
         "sensor_msgs/msg/JointState": R.JointState(header=hdr, name=["proprio_0", "p1", "p2"],
                                                    position=[0.1, -2.0, 3.5], velocity=[], effort=[1.0]),
         "sensor_msgs/msg/Image": R.Image(header=hdr, height=2, width=3, encoding="rgb8", is_bigendian=0, step=9,
-                                         data=list(range(18))),
+                                         data=bytes(range(18))),
         "trajectory_msgs/msg/JointTrajectory": R.JointTrajectory(
             header=hdr, joint_names=ros2.ACTION_NAMES_7,
             points=[R.JointTrajectoryPoint(positions=[0.1 * i] * 7, time_from_start=R.Duration(sec=0, nanosec=50_000_000 * i))
@@ -230,7 +230,7 @@ def test_ros2_rejects_malformed_and_wrong_dim_and_stays_up(ros_pair):
     st, rt = ros_pair
     # an image whose byte count contradicts its size, written straight to the DDS topic
     bad = R.Image(header=R.Header(frame_id="base;ep=0;step=1;req=2;n=1"), height=8, width=8, encoding="rgb8",
-                  step=24, data=[0] * 10)
+                  step=24, data=bytes(10))
     rt._write(rt.w_img["agentview"], bad)
     with pytest.raises(M.MessageError) as e:
         t_end = time.monotonic() + 5
@@ -238,7 +238,7 @@ def test_ros2_rejects_malformed_and_wrong_dim_and_stays_up(ros_pair):
             st.recv(timeout=0.1)
     assert e.value.code == "invalid"
     huge = R.Image(header=R.Header(frame_id="base;ep=0;step=1;req=2;n=1"), height=2048, width=1024,
-                   encoding="rgb8", step=3072, data=[])
+                   encoding="rgb8", step=3072, data=b"")
     rt._write(rt.w_img["agentview"], huge)
     with pytest.raises(M.MessageError) as e:
         t_end = time.monotonic() + 5

@@ -225,7 +225,7 @@ class Ros2Transport:
             if im.camera not in self.w_img:
                 raise ValueError(f"camera {im.camera!r} has no image topic; Ros2Transport(cameras=...) has {self.cameras}")
             self._write(self.w_img[im.camera], R.Image(header=hdr, height=im.height, width=im.width, encoding="rgb8",
-                                                       is_bigendian=0, step=im.width * 3, data=list(im.data)))
+                                                       is_bigendian=0, step=im.width * 3, data=bytes(im.data)))
         pref = np.asarray(o.prefix_actions, np.float64).reshape(o.prefix_len, d_a) if o.prefix_len else []
         pts = [R.JointTrajectoryPoint(positions=row.tolist(), time_from_start=self._dur(i)) for i, row in enumerate(pref)]
         self._write(self.w_req, R.JointTrajectory(header=hdr, joint_names=self._names(d_a) if d_a else [], points=pts))

@@ -58,7 +58,7 @@ class Image(IdlStruct, typename="sensor_msgs::msg::dds_::Image_"):
     encoding: str = ""
     is_bigendian: uint8 = 0
     step: uint32 = 0
-    data: sequence[uint8] = field(default_factory=list)
+    data: sequence[uint8] = b""  # bytes (see _fast_byte_sequence)
 
 
 @dataclass
@@ -112,6 +112,27 @@ class String(IdlStruct, typename="std_msgs::msg::dds_::String_"):
 class Bool(IdlStruct, typename="std_msgs::msg::dds_::Bool_"):
     data: bool = False
 
+
+def _fast_byte_sequence(cls, field_name: str) -> bool:
+    """Serialize the ``sequence<uint8>`` member ``field_name`` of ``cls`` from / to ``bytes`` in one
+    copy (uint32 length + raw bytes: the same CDR) instead of element by element (~40x faster
+    for a 64x64 RGB image). Uses Cyclone's Python machinery (``BytesMachine``); if its internals
+    differ, the standard (slower, list-based) path stays. Byte layout checked against rosbags in
+    ``tests/test_transport.py``."""
+    try:
+        from cyclonedds.idl._machinery import BytesMachine
+
+        cls.__idl__.populate()
+        for m in (cls.__idl__.v1_machine, cls.__idl__.v2_machine):
+            if field_name not in m.members_machines:
+                return False
+            m.members_machines[field_name] = BytesMachine()
+        return True
+    except Exception:  # pragma: no cover - other cyclonedds versions
+        return False
+
+
+FAST_IMAGE_DATA = _fast_byte_sequence(Image, "data")
 
 #: ROS 2 type name (as in ``rosbags``' type store) -> IDL class.
 ROS_TYPES = {

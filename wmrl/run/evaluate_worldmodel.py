@@ -62,10 +62,14 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
     dev = cfg.device
     wm = load_checkpoint(ctx.path(cfg.world_model), map_location=dev).eval()
+    for k in ("stochastic", "sampling_steps"):       # evaluate another sampler of the same weights
+        if cfg.sampler.get(k) is not None:
+            setattr(wm, k, type(getattr(wm, k))(cfg.sampler[k]))
     critic = load_checkpoint(ctx.path(cfg.critic_checkpoint), map_location=dev).eval() if cfg.get("critic_checkpoint") else None
     _, held, _ = load_splits(ctx.path(cfg.store), cfg.heldout_every, wm.cameras)
     gen = torch.Generator(device=dev).manual_seed(int(cfg.seed))
-    report: dict = {"heldout_episodes": held.num_episodes, "heldout_success_rate": float(held.success.mean())}
+    report: dict = {"heldout_episodes": held.num_episodes, "heldout_success_rate": float(held.success.mean()),
+                    "sampler": {"stochastic": wm.stochastic, "sampling_steps": wm.sampling_steps}}
     hm = horizon_metrics(wm, held, max_chunks=int(cfg.max_chunks), start_stride=int(cfg.start_stride), generator=gen)
     report["horizons"] = hm
     report["action_following"] = action_following(wm, held, n=int(cfg.action_following_n), seed=int(cfg.seed))

@@ -429,7 +429,7 @@ class RobotClient:
             extras={"t_cmd": np.asarray(rec_t, np.float64), "starved": np.asarray(rec_starve, np.float32),
                     "clipped": np.asarray(rec_clip, np.float32), "cmd_latency_s": np.asarray(rec_lat, np.float64),
                     "chunk_id": np.asarray(rec_cid, np.int64)},
-            info={"source": "robot_bridge", "episode": episode, "failure_label": failure,
+            info={"source": "robot_bridge", "episode": episode, "t0_monotonic_s": t0, "failure_label": failure,
                   "failure_source": _failure_source(failure), "control_hz": self.cfg.control_hz,
                   "merge": self.cfg.merge, "estop_reason": self._estop_reason,
                   "time_to_first_action_s": first_action_t, "stopped_at_s": stopped_at,

@@ -28,7 +28,7 @@ def test_robot_node_inproc_records_every_episode(tmp_path):
     from wmrl.run import robot
     from wmrl.storage import EpisodeStore
 
-    cfg = _cfg("robot", ["transport=inproc", "arm.kind=target", "episodes=2", "control.max_steps=40",
+    cfg = _cfg("robot", ["transport=inproc", "arm.kind=target", "safety.workspace_low=null", "safety.workspace_high=null", "episodes=2", "control.max_steps=40",
                          "inproc_server.inference_delay_s=0.05", f"store={tmp_path / 'eps'}"])
     rep = robot.run(cfg, RunContext(cfg, out_dir=tmp_path / "run"))
     assert rep["num_episodes"] == 2 and rep["recorded"] == [0, 1]
@@ -75,7 +75,7 @@ def test_server_killed_mid_episode_robot_stops_and_records_failure(tmp_path):
     server = _wmrl(["serve", "transport=grpc", addr, "inference_delay_s=0.05", "accept_timeout_s=60"], tmp_path / "srv")
     try:
         _wait_line(server, "wmrl-serve ready")
-        robot = _wmrl(["robot", "transport=grpc", addr, "arm.kind=target", "episodes=1", "control.max_steps=400",
+        robot = _wmrl(["robot", "transport=grpc", addr, "arm.kind=target", "safety.workspace_low=null", "safety.workspace_high=null", "episodes=1", "control.max_steps=400",
                        "control.watchdog_s=0.4", f"store={tmp_path / 'eps'}"], tmp_path / "rob")
         _wait_line(robot, "connected to the policy server")
         time.sleep(2.0)
@@ -155,7 +155,7 @@ def test_operator_estop_signal_stops_node_and_records_episode(tmp_path):
     server = _wmrl(["serve", "transport=grpc", addr, "accept_timeout_s=60"], tmp_path / "srv")
     try:
         _wait_line(server, "wmrl-serve ready")
-        robot = _wmrl(["robot", "transport=grpc", addr, "arm.kind=target", "episodes=3", "control.max_steps=400",
+        robot = _wmrl(["robot", "transport=grpc", addr, "arm.kind=target", "safety.workspace_low=null", "safety.workspace_high=null", "episodes=3", "control.max_steps=400",
                        f"store={tmp_path / 'eps'}"], tmp_path / "rob")
         _wait_line(robot, "connected to the policy server")
         time.sleep(1.0)

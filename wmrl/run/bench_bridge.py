@@ -16,6 +16,8 @@ Reported per run (``report.json`` and a printed table):
 * ``jerk``: mean ``|a[k+1] - 2 a[k] + a[k-1]|`` of the translation commands at chunk boundaries
   (where the executing chunk changes, the first excluded), for the latency-aware merge and for
   naive switching (``naive_jerk``) at ``jerk_delay_s``; ``jerk_ratio = jerk / naive_jerk``;
+* faults (``faults=true``): the server is killed ``fault_after_s`` into an episode; reported are
+  when the robot last moved and when the watchdog stopped it, in s after the kill;
 * ``track_rms_mm`` and ``success`` (tracking RMS after ``settle_s`` below ``success_rms_mm``):
   the task outcome (follow the reference circle), to compare each transport with in-process
   execution.
@@ -156,6 +158,59 @@ def run_one(kind: str, delay: float, merge: str, cfg: DictConfig, out_dir: Path,
             "track_rms_mm": rms, "success": bool(rms < float(cfg.success_rms_mm))}
 
 
+def run_fault(kind: str, cfg: DictConfig, out_dir: Path, domain_id: int) -> dict:
+    """Kill the policy server ``fault_after_s`` into an episode; report how long the robot kept
+    moving, when it held, and when the watchdog stopped it (s after the kill)."""
+    dt = 1.0 / float(cfg.control_hz)
+    arm = KinematicArm(image_size=tuple(cfg.image_size), dt=dt)
+    limits = Limits(action_dim=7)
+    server = proc = None
+    if kind == "inproc":
+        from robot_bridge.transports.inproc import InProcTransport
+
+        transport, server_end = InProcTransport.pair(limits, Limits(state_dim=9))
+        server = PolicyServer(TrackingPolicy(chunk_size=int(cfg.chunk_size), dt=dt), inference_delay_s=float(cfg.jerk_delay_s))
+        threading.Thread(target=server.serve, args=(server_end,), daemon=True).start()
+    else:
+        proc, address = _start_server_process(kind, float(cfg.jerk_delay_s), int(cfg.chunk_size), out_dir, domain_id,
+                                              OmegaConf.to_container(cfg.process))
+        if kind == "grpc":
+            from robot_bridge.transports.grpc_transport import GrpcClientTransport
+
+            transport = GrpcClientTransport(address, limits)
+        else:
+            from robot_bridge.transports.ros2 import Ros2Transport
+
+            transport = Ros2Transport("robot", cameras=arm.cameras, domain_id=domain_id, limits=limits,
+                                      control_hz=float(cfg.control_hz))
+    wd = float(cfg.fault_watchdog_s)
+    client = RobotClient(arm, transport, ClientConfig(control_hz=float(cfg.control_hz), max_steps=100_000,
+                                                      stop_on_success=False, watchdog_s=wd))
+    client.connect()
+    box: dict = {}
+    th = threading.Thread(target=lambda: box.setdefault("r", client.run_episode(0)), daemon=True)
+    th.start()
+    time.sleep(float(cfg.fault_after_s))
+    t_kill = time.monotonic()
+    if proc is not None:
+        proc.kill()
+    else:
+        server.stop()
+    th.join(timeout=30)
+    client.close()
+    if proc is not None:
+        proc.wait(timeout=10)
+    res = box["r"]
+    ep = res.episode
+    t_abs = ep.info["t0_monotonic_s"] + ep.extras["t_cmd"]  # monotonic time of each command
+    moving = ep.extras["starved"] == 0
+    last_move = float(t_abs[moving].max()) if moving.any() else float("nan")
+    return {"transport": kind, "watchdog_s": wd, "failure_label": res.failure_label, "steps_recorded": res.steps,
+            "stop_after_kill_s": (arm.stop_time - t_kill) if arm.stop_time else None,
+            "last_motion_after_kill_s": last_move - t_kill,
+            "held_at_stop": bool(ep.extras["starved"][-1] == 1.0)}
+
+
 def run_e2e(cfg: DictConfig, ctx: RunContext) -> list[dict]:
     """``wmrl serve`` and ``wmrl robot`` as separate processes (the robot on a sim-suite task, or any
     ``arm.kind``) for every transport and delay of ``cfg.e2e``; returns one row per run from the
@@ -241,6 +296,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         r = run_one(kind, delay, merge, cfg, ctx.out_dir / f"server_{i:02d}_{kind}", int(cfg.domain_id) + i)
         rows.append(r)
         log.info("%s", r)
+    faults = [run_fault(k, cfg, ctx.out_dir / f"fault_{k}", int(cfg.domain_id) + 30 + j)
+              for j, k in enumerate(cfg.transports)] if cfg.faults else []
     summary = {}
     for kind in cfg.transports:
         la = [r for r in rows if r["transport"] == kind and r["merge"] == "latency_aware"]
@@ -264,7 +321,11 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
               f"{r['jerk']:7.4f} {r['track_rms_mm']:7.2f} {int(r['success']):3d} {r['overruns']:7d}")
     for k, s in summary.items():
         print(f"{k}: " + ", ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}" for a, b in s.items()))
-    return {"runs": rows, "summary": summary, "process": tuned, "config": OmegaConf.to_container(cfg, resolve=True)}
+    for f in faults:
+        print(f"server killed ({f['transport']}): label={f['failure_label']} held_at_stop={f['held_at_stop']} "
+              f"last motion {f['last_motion_after_kill_s']:.3f} s and stop {f['stop_after_kill_s']:.3f} s after the "
+              f"kill (watchdog {f['watchdog_s']} s), {f['steps_recorded']} steps recorded")
+    return {"runs": rows, "summary": summary, "faults": faults, "process": tuned, "config": OmegaConf.to_container(cfg, resolve=True)}
 
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="bench_bridge")

@@ -262,7 +262,7 @@ class RobotClient:
         a = M.chunk_array(c)
         with self._lock:
             res = self.queue.insert(a, int(c.start_step), self._next_step)
-            cid = self.queue._next_chunk_id - 1
+            cid = res.chunk_id
             if self._outstanding and self._outstanding[0] == c.request_id:
                 self._outstanding = None
         rt = (t_arrive - c.obs_stamp_ns) * 1e-9

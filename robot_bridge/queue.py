@@ -23,11 +23,12 @@ import numpy as np
 class MergeResult:
     """What :meth:`ActionQueue.insert` did. ``skipped``: stale actions dropped (steps already
     executed); ``inserted``: actions now queued from the chunk; ``replaced``: queued actions it
-    overwrote."""
+    overwrote; ``chunk_id``: id given to the chunk (returned with its actions by ``pop``)."""
 
     skipped: int
     inserted: int
     replaced: int
+    chunk_id: int = -1
 
 
 class ActionQueue:
@@ -70,7 +71,7 @@ class ActionQueue:
                 for i in range(chunk.shape[0]):
                     self._q[next_step + i] = chunk[i]
                     self._src[next_step + i] = cid
-                return MergeResult(skipped=0, inserted=chunk.shape[0], replaced=replaced)
+                return MergeResult(skipped=0, inserted=chunk.shape[0], replaced=replaced, chunk_id=cid)
             skipped = max(0, min(chunk.shape[0], next_step - start_step))
             replaced = 0
             for i in range(skipped, chunk.shape[0]):
@@ -78,7 +79,7 @@ class ActionQueue:
                 replaced += s in self._q
                 self._q[s] = chunk[i]
                 self._src[s] = cid
-            return MergeResult(skipped=skipped, inserted=chunk.shape[0] - skipped, replaced=replaced)
+            return MergeResult(skipped=skipped, inserted=chunk.shape[0] - skipped, replaced=replaced, chunk_id=cid)
 
     def pop(self, step: int) -> tuple[np.ndarray | None, int]:
         """Remove and return ``(action for step, chunk id)``, or ``(None, -1)`` if none is queued

@@ -232,12 +232,13 @@ def run_e2e(cfg: DictConfig, ctx: RunContext) -> list[dict]:
             server = None
             if kind == "inproc":
                 robot_args += [f"inproc_server.inference_delay_s={delay}"]
+                robot_args += [f"inproc_server.{o.lstrip('+')}" for o in e.serve_overrides]
                 if e.checkpoint:
                     robot_args += [f"inproc_server.checkpoint={ctx.path(e.checkpoint)}"]
             else:
                 serve_args = [sys.executable, "-m", "wmrl.cli", "serve", f"transport={kind}",
                               f"inference_delay_s={delay}", "max_connections=1", "accept_timeout_s=300",
-                              f"hydra.run.dir={run_dir / 'serve'}", *proc_over]
+                              f"hydra.run.dir={run_dir / 'serve'}", *proc_over, *list(e.serve_overrides)]
                 if e.checkpoint:
                     serve_args.append(f"checkpoint={ctx.path(e.checkpoint)}")
                 if kind == "grpc":

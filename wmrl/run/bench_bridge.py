@@ -232,7 +232,8 @@ def run_e2e(cfg: DictConfig, ctx: RunContext) -> list[dict]:
             server = None
             if kind == "inproc":
                 robot_args += [f"inproc_server.inference_delay_s={delay}"]
-                robot_args += [f"inproc_server.{o.lstrip('+')}" for o in e.serve_overrides]
+                robot_args += [("+" if o.startswith("+") else "") + f"inproc_server.{o.lstrip('+')}"
+                               for o in e.serve_overrides]
                 if e.checkpoint:
                     robot_args += [f"inproc_server.checkpoint={ctx.path(e.checkpoint)}"]
             else:
@@ -248,18 +249,22 @@ def run_e2e(cfg: DictConfig, ctx: RunContext) -> list[dict]:
                 else:
                     serve_args.append(f"transport.domain_id={int(cfg.domain_id) + 40 + i}")
                     robot_args.append(f"transport.domain_id={int(cfg.domain_id) + 40 + i}")
-                server = subprocess.Popen(serve_args, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL)
+                (run_dir / "serve").mkdir(parents=True, exist_ok=True)
+                server = subprocess.Popen(serve_args, cwd=REPO, env=env, stderr=subprocess.STDOUT,
+                                          stdout=open(run_dir / "serve" / "stdout.txt", "w"))
             try:
-                subprocess.run(robot_args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               timeout=float(e.timeout_s), check=False)
+                (run_dir / "robot").mkdir(parents=True, exist_ok=True)
+                with open(run_dir / "robot" / "stdout.txt", "w") as out:
+                    subprocess.run(robot_args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   timeout=float(e.timeout_s), check=False)
             finally:
                 if server is not None:
                     server.kill()
                     server.wait(timeout=10)
             rep_path = run_dir / "robot" / "report.json"
             if not rep_path.is_file():
-                rows.append({"transport": kind, "delay_s": float(delay), "error": "robot wrote no report"})
+                rows.append({"transport": kind, "delay_s": float(delay),
+                             "error": f"robot wrote no report (see {run_dir / 'robot' / 'stdout.txt'})"})
                 continue
             rep = json.loads(rep_path.read_text())
             eps = rep["episodes"]

@@ -9,6 +9,7 @@ when needed, and restores the variable afterwards. ``requested_gl()`` returns wh
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -41,6 +42,8 @@ def _import():
             os.environ.pop("MUJOCO_GL", None)
         else:
             os.environ["MUJOCO_GL"] = before
+    # robosuite logs every controller-config load at INFO; keep warnings only
+    logging.getLogger("robosuite_logs").setLevel(logging.WARNING)
     _mods["mujoco"] = sys.modules["mujoco"]
     _mods["robosuite"] = sys.modules["robosuite"]
     return _mods

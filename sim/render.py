@@ -200,6 +200,8 @@ class SceneRenderer:
             raise ValueError(f"frame size {(h, w)} exceeds the renderer's max size "
                              f"{(self.model.vis.global_.offheight, self.model.vis.global_.offwidth)}")
         _GL["ctx"].make_current()
+        # several scene contexts share the GL context: bind this one's offscreen framebuffer
+        mj.mjr_setBuffer(mj.mjtFramebuffer.mjFB_OFFSCREEN, self.con)
         self.cam.fixedcamid = self.camera_id(camera)
         mj.mjv_updateScene(self.model, data, self.vopt, self.pert, self.cam, mj.mjtCatBit.mjCAT_ALL, self.scn)
         viewport = mj.MjrRect(0, 0, w, h)

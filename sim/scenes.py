@@ -90,6 +90,8 @@ def _scene_class():
                     obj_type="all", density=100.0,
                     joints=[dict(slide, name="tx", axis="1 0 0"), dict(slide, name="ty", axis="0 1 0")],
                 )
+                # the slide joints move it in x/y from the origin; its height is fixed on the table top
+                self.objects["target"].get_obj().set("pos", f"0 0 {TABLE_TOP + TARGET_HALF_HEIGHT + 0.0005}")
             self.model = ManipulationTask(mujoco_arena=arena, mujoco_robots=[r.robot_model for r in self.robots],
                                           mujoco_objects=list(self.objects.values()))
 

@@ -276,3 +276,30 @@ def test_import_needs_no_gl_and_bad_backend_names_mujoco_gl():
     assert line.startswith("ERROR:")
     assert "MUJOCO_GL" in line and "bogus_backend" in line
     assert "egl" in line and "osmesa" in line  # names the backends
+
+
+def test_push_target_is_drawn_on_the_table(suite):
+    from sim.env import TaskEnv
+
+    env = TaskEnv("cube_target", cameras=(AGENTVIEW,), image_size=(64, 64))
+    env.reset("push_red_to_target", suite.init_state("push_red_to_target", "eval", 0))
+    s = env.privileged()
+    assert abs(s["objects"]["target"]["pos"][2] - 0.8) < 0.005  # on the table top
+    img = env.observe()["images"][AGENTVIEW].astype(int)
+    green = (img[1] > 120) & (img[0] < 80) & (img[2] < 100)
+    assert green.sum() > 10
+
+
+def test_frames_do_not_depend_on_what_other_scenes_rendered(suite):
+    """Scenes share one GL context: a frame must be the same before and after another scene drew."""
+    from sim.env import TaskEnv
+
+    a = TaskEnv("two_cubes", cameras=(AGENTVIEW, EYE_IN_HAND), image_size=(32, 32))
+    b = TaskEnv("cube_target", cameras=(AGENTVIEW, EYE_IN_HAND), image_size=(48, 48))
+    a.reset("lift_red", suite.init_state("lift_red", "eval", 0))
+    b.reset("push_red_to_target", suite.init_state("push_red_to_target", "eval", 0))
+    first = a.observe()["images"]
+    b.observe()
+    again = a.observe()["images"]
+    for cam in first:
+        assert np.array_equal(first[cam], again[cam])

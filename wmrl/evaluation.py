@@ -101,17 +101,19 @@ class PolicyActor:
     @torch.no_grad()
     def act(self, env, obs, active) -> torch.Tensor:
         b_all = obs.batch_size
-        out = torch.zeros(b_all, self.chunk_size, int(self.policy.action_dim))
         idx = [b for b in range(b_all) if active[b]]
         if not idx:
-            return out
+            return torch.zeros(b_all, self.chunk_size, int(self.policy.action_dim))
         if self.per_episode:
-            for b in idx:
-                a = self.policy.sample(obs.index([b]).to(self.device), self._gens[b]).actions
-                out[b] = a[0].float().cpu()
+            acts = torch.cat([self.policy.sample(obs.index([b]).to(self.device), self._gens[b]).actions
+                              for b in idx]).float().cpu()
         else:
-            a = self.policy.sample(obs.index(idx).to(self.device), self._batch_gen).actions
-            out[idx] = a.float().cpu()
+            acts = self.policy.sample(obs.index(idx).to(self.device), self._batch_gen).actions.float().cpu()
+        if acts.ndim != 3 or acts.shape[0] != len(idx):
+            raise ValueError(f"policy.sample returned actions of shape {tuple(acts.shape)}; expected "
+                             f"({len(idx)}, H, D_a)")
+        out = torch.zeros(b_all, acts.shape[1], acts.shape[2])
+        out[idx] = acts
         return out
 
 

@@ -105,20 +105,28 @@ class EulerODESampler:
     Args:
         num_steps: ``K`` Euler steps (>= 1).
         record_chain: also return the chain ``(B, K+1, H, D_a)`` (off by default: costs memory).
+        noise_scale: the initial noise is ``noise_scale * N(0, I)`` (sampling temperature; ``1`` samples
+            the learned distribution, ``0`` integrates from the mean of the prior, a deterministic
+            "mode-seeking" chunk that ignores the generator).
     """
 
     stochastic = False
 
-    def __init__(self, num_steps: int = 10, record_chain: bool = False):
+    def __init__(self, num_steps: int = 10, record_chain: bool = False, noise_scale: float = 1.0):
         if int(num_steps) < 1:
             raise ValueError(f"EulerODESampler.num_steps must be >= 1, got {num_steps}")
+        if float(noise_scale) < 0:
+            raise ValueError(f"EulerODESampler.noise_scale must be >= 0, got {noise_scale}")
         self.num_steps = int(num_steps)
         self.record_chain = bool(record_chain)
+        self.noise_scale = float(noise_scale)
 
     def sample(self, velocity_fn: VelocityFn, shape: tuple[int, ...], generator: torch.Generator | None = None,
                device=None, noise: torch.Tensor | None = None) -> SamplerOutput:
         """Integrate from ``noise`` (drawn from ``generator`` if not given) of ``shape = (B, H, D_a)``."""
         x = _noise(shape, generator, device, torch.float32) if noise is None else noise
+        if self.noise_scale != 1.0:
+            x = x * self.noise_scale
         ts = time_grid(self.num_steps, device=x.device)
         chain = [x] if self.record_chain else None
         for k in range(self.num_steps):
@@ -135,7 +143,7 @@ class EulerODESampler:
                          "sample with policies.samplers.SDESampler for RL")
 
     def __repr__(self) -> str:
-        return f"EulerODESampler(num_steps={self.num_steps})"
+        return f"EulerODESampler(num_steps={self.num_steps}, noise_scale={self.noise_scale})"
 
 
 class SDESampler:

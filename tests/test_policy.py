@@ -209,3 +209,16 @@ def test_bench_policy_reports_figures(tmp_path):
     for k in ("ode", "sde"):
         assert rep["inference_ms"][k]["median"] > 0 and rep["inference_ms"][k]["num_steps"] == 4
     assert rep["bc"]["samples_per_s"] > 0 and rep["bc"]["estimated_bc_minutes"] > 0
+
+
+def test_checkpoint_config_keeps_the_sampler(tmp_path):
+    from policies.train import policy_checkpoint_config
+
+    p = tiny_policy(sampler=EulerODESampler(3, noise_scale=0.0)).set_norm_stats(stats())
+    assert policy_checkpoint_config(p)["sampler"] == {"_target_": "policies.samplers.EulerODESampler",
+                                                      "num_steps": 3, "noise_scale": 0.0}
+    save_policy(p, tmp_path / "ck")
+    q = load_checkpoint(tmp_path / "ck")
+    assert q.sampler.noise_scale == 0.0 and q.sampler.num_steps == 3
+    p.sampler = SDESampler(5, 0.3)
+    assert policy_checkpoint_config(p)["sampler"]["noise_level"] == 0.3

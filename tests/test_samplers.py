@@ -110,3 +110,13 @@ def test_gaussian_log_prob_against_torch():
     x, mu = torch.randn(3, 5), torch.randn(3, 5)
     ref = torch.distributions.Normal(mu.double(), 0.3).log_prob(x.double()).sum(1)
     assert torch.allclose(gaussian_log_prob(x, mu, 0.3), ref, atol=1e-9)
+
+
+def test_ode_noise_scale_zero_is_deterministic_and_ignores_generator():
+    net = TinyVelocity()
+    ode = EulerODESampler(num_steps=4, noise_scale=0.0)
+    a = ode.sample(net, (2, 4, 3), generator=torch.Generator().manual_seed(0)).x0
+    b = ode.sample(net, (2, 4, 3), generator=torch.Generator().manual_seed(1)).x0
+    assert torch.equal(a, b) and torch.equal(a[0], a[1])
+    with pytest.raises(ValueError, match="noise_scale"):
+        EulerODESampler(4, noise_scale=-1.0)

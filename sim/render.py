@@ -30,7 +30,7 @@ _MAX_GL_SIZE = 1024
 
 @dataclass(frozen=True)
 class RenderSettings:
-    """Render effects (all off by default: 3-4x faster with software GL).
+    """Render effects (all off by default: 3-4x faster with software GL) and the robot's look.
 
     Attributes:
         shadows: shadow maps (``model.vis.quality.shadowsize`` 4096 when on, 0 when off).
@@ -39,7 +39,8 @@ class RenderSettings:
         skybox: the skybox texture (scene flag ``mjRND_SKYBOX``).
         haze: the horizon haze (scene flag ``mjRND_HAZE``).
         flat_robot: draw the robot with its collision geoms in flat colours instead of its visual
-            meshes (about 3x faster on software GL; the arm looks simpler).
+            meshes (default: about 2x more control steps/s with two 64x64 cameras on software GL;
+            at 64x64 the arm looks almost the same). Collect, train and evaluate with one setting.
     """
 
     shadows: bool = False
@@ -47,7 +48,7 @@ class RenderSettings:
     antialiasing: bool = False
     skybox: bool = False
     haze: bool = False
-    flat_robot: bool = False
+    flat_robot: bool = True
 
     @classmethod
     def from_any(cls, x) -> "RenderSettings":

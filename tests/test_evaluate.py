@@ -171,3 +171,18 @@ def test_wmrl_collect_writes_episodes_and_continues(tmp_path):
     store = EpisodeStore.open(store_path)
     assert len(store) == 4
     assert sorted(store.episode(i, images=False).info["init_index"] for i in range(4)) == [0, 0, 1, 1]
+
+
+def test_suite_config_matches_library_defaults():
+    """Code that builds a SimEnv without the suite config (e.g. post-train) must see the same images."""
+    from hydra.utils import instantiate
+
+    from sim.render import RenderSettings
+    from sim.suite import Suite
+
+    cfg = _compose("evaluate", [])
+    s = instantiate(cfg.suite)
+    assert s.render == RenderSettings() == Suite().render
+    assert s.image_size == Suite().image_size and s.cameras == Suite().cameras and s.task_names == Suite().task_names
+    v = instantiate(_compose("evaluate", ["suite=visual"]).suite)
+    assert v.render.flat_robot is False

@@ -1,5 +1,6 @@
 """``wmrl bench sim``: control steps per second of one suite environment, with the suite's two
-cameras rendered every step, with no camera, and with the robot drawn in flat colours.
+cameras rendered every step, with no camera, and with the robot's visual meshes instead of the
+flat-coloured collision geoms (``render.flat_robot``).
 
     wmrl bench sim [suite=default] [task=lift_red] [steps=300]
 
@@ -59,10 +60,13 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         cams = suite.cameras
         if name == "no_cameras":
             cams = ()
+        elif name == "two_cameras_visual_meshes":
+            render["flat_robot"] = False
         elif name == "two_cameras_flat_robot":
             render["flat_robot"] = True
         elif name != "two_cameras":
-            raise ValueError(f"unknown bench setting {name!r}; use two_cameras, no_cameras, two_cameras_flat_robot")
+            raise ValueError(f"unknown bench setting {name!r}; use two_cameras, no_cameras, "
+                             "two_cameras_visual_meshes, two_cameras_flat_robot")
         r = measure(suite, str(cfg.task), cams, render, int(cfg.steps), int(cfg.warmup))
         results[name] = r
         print(f"{name:<24} {r['steps_per_s']:7.1f} control steps/s  (render {r['render_ms_per_step']:.1f} ms, "

@@ -44,6 +44,7 @@ from robot_bridge import messages as M
 from robot_bridge.transports import ros2_types as R
 
 _DOMAINS: dict = {}
+_LIVE: set = set()
 _DOMAINS_LOCK = threading.Lock()
 
 ACTION_NAMES_7 = ["dx", "dy", "dz", "dax", "day", "daz", "gripper"]
@@ -124,8 +125,12 @@ class Ros2Transport:
                   Policy.DataRepresentation(use_cdrv0_representation=True))
         ns = namespace.rstrip("/")
 
+        self._entities: list = []  # deleted explicitly, children first, in close()
+
         def topic(name, typ):
-            return Topic(self.dp, f"rt{ns}/{name}", typ, qos=qos)
+            t = Topic(self.dp, f"rt{ns}/{name}", typ, qos=qos)
+            self._entities.append(t)
+            return t
 
         t_js = topic("joint_states", R.JointState)
         t_img = {c: topic(f"{c}/image_raw", R.Image) for c in self.cameras}
@@ -137,22 +142,33 @@ class Ros2Transport:
         self._writers_matched: set[int] = set()
 
         def reader(t, fn):
-            return DataReader(self.dp, t, qos=qos, listener=Listener(on_data_available=lambda r: self._safe(fn, r)))
+            r = DataReader(self.dp, t, qos=qos, listener=Listener(on_data_available=lambda r: self._safe(fn, r)))
+            self._entities.insert(0, r)
+            return r
+
+        def writer(t):
+            w = DataWriter(self.dp, t, qos=qos)
+            self._entities.insert(0, w)
+            return w
 
         if role == "robot":
-            self.w_js = DataWriter(self.dp, t_js, qos=qos)
-            self.w_img = {c: DataWriter(self.dp, t, qos=qos) for c, t in t_img.items()}
-            self.w_req = DataWriter(self.dp, t_req, qos=qos)
-            self.w_ctrl = DataWriter(self.dp, t_to_server, qos=qos)
+            self.w_js = writer(t_js)
+            self.w_img = {c: writer(t) for c, t in t_img.items()}
+            self.w_req = writer(t_req)
+            self.w_ctrl = writer(t_to_server)
             self._readers = [reader(t_chunk, self._on_chunk), reader(t_to_robot, self._on_ctrl),
                              reader(t_estop, self._on_estop)]
         else:
-            self.w_chunk = DataWriter(self.dp, t_chunk, qos=qos)
-            self.w_ctrl = DataWriter(self.dp, t_to_robot, qos=qos)
-            self.w_estop = DataWriter(self.dp, t_estop, qos=qos)
+            self.w_chunk = writer(t_chunk)
+            self.w_ctrl = writer(t_to_robot)
+            self.w_estop = writer(t_estop)
             self._readers = [reader(t_js, self._on_js), reader(t_req, self._on_req), reader(t_to_server, self._on_ctrl)]
             self._readers += [reader(t, lambda im, c=c: self._on_img(im, c)) for c, t in t_img.items()]
         self._task = ""  # the instruction from Hello (observations on ROS topics carry no text)
+        # Keep the DDS entities reachable until close(): Cyclone waits for running listeners when
+        # an entity is deleted, so one collected by Python's GC inside a listener callback (which
+        # runs in the writer's thread for local readers) would deadlock.
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ plumbing
     def _safe(self, fn, r) -> None:
@@ -208,12 +224,18 @@ class Ros2Transport:
         return item
 
     def close(self) -> None:
+        """Delete this endpoint's DDS entities (readers and writers, topics, participant), from
+        the calling thread. Do not call from inside a listener callback."""
+        if self._closed:
+            return
         self._closed = True
-        for r in self._readers:
+        for e in [*self._entities, self.dp]:
             try:
-                r.set_listener(None)
+                e.__del__()  # cyclonedds deletes on __del__; explicit, so it never happens in a callback
             except Exception:  # pragma: no cover
                 pass
+        self._entities = []
+        _LIVE.discard(self)
 
     # ------------------------------------------------------------------ robot side
     def _send_observation(self, o) -> None:

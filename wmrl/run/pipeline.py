@@ -400,7 +400,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         "tasks": task_list,
         "episodes_per_task": int(cfg.evaluation.episodes_per_task),
         "stages": {k: {"wall_time_s": v} for k, v in stages.wall.items()},
-        "total_wall_time_s": round(time.time() - t_start, 3),
+        "total_wall_time_s": round(sum(stages.wall.values()), 3),   # all stages, also those reused on resume
+        "this_run_wall_time_s": round(time.time() - t_start, 3),
         "before": {"success": before["success"], "ci95": before["ci95"]},
         "after": {"success": after["success"], "ci95": after["ci95"]},
         "success_gain": after["success"] - before["success"],

@@ -49,7 +49,7 @@ from robot_bridge.client import ClientConfig, RobotClient
 from robot_bridge.messages import Limits
 from robot_bridge.server import PolicyServer
 from robot_bridge.testing import KinematicArm, TrackingPolicy
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.bench_bridge")
 REPO = Path(__file__).resolve().parents[2]
@@ -336,8 +336,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="bench_bridge")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    ctx.finish(run(cfg, ctx))
+    run_main(cfg, run, "bench bridge")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.bench_grpo")
 
@@ -89,8 +89,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="bench_grpo")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    ctx.finish(run(cfg, ctx))
+    run_main(cfg, run, "bench grpo")
 
 
 if __name__ == "__main__":

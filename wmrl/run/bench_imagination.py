@@ -21,7 +21,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 from wmrl.types import Obs, Start
 
 
@@ -105,8 +105,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="bench_imagination")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    ctx.finish(run(cfg, ctx))
+    run_main(cfg, run, "bench imagination")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.bench_policy")
 
@@ -131,8 +131,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="bench_policy")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    ctx.finish(run(cfg, ctx))
+    run_main(cfg, run, "bench policy")
 
 
 if __name__ == "__main__":

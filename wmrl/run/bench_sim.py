@@ -19,7 +19,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.bench_sim")
 
@@ -81,8 +81,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="bench_sim")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    ctx.finish(run(cfg, ctx))
+    run_main(cfg, run, "bench sim")
 
 
 if __name__ == "__main__":

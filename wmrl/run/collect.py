@@ -19,7 +19,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.collect")
 
@@ -68,13 +68,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="collect")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    try:
-        report = run(cfg, ctx)
-    except ValueError as e:  # bad input: one clear line
-        log.error("%s", e)
-        raise SystemExit(f"wmrl collect: {e}") from None
-    ctx.finish(report)
+    run_main(cfg, run, "collect")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,23 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def run_main(cfg: DictConfig, run_fn, name: str,
+             errors: tuple[type[BaseException], ...] = (ValueError,)) -> dict[str, Any]:
+    """Body of every ``main()``: build the RunContext, call ``run_fn(cfg, ctx)``, write report.json.
+
+    Bad input (an exception of ``errors``, ``ValueError`` by default, which every wmrl input check
+    raises) ends the command with one clear line, ``wmrl <name>: <message>``, not a traceback.
+    """
+    ctx = RunContext(cfg)
+    try:
+        report = run_fn(cfg, ctx)
+    except errors as e:
+        log.error("%s", e)
+        raise SystemExit(f"wmrl {name}: {e}") from None
+    ctx.finish(report)
+    return report
+
+
 class RunContext:
     """Run directory bookkeeping for one Hydra entry point.
 

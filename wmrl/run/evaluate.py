@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from wmrl.evaluation import evaluate_policy, format_report
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.evaluate")
 
@@ -57,13 +57,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    try:
-        report = run(cfg, ctx)
-    except ValueError as e:
-        log.error("%s", e)
-        raise SystemExit(f"wmrl evaluate: {e}") from None
-    ctx.finish(report)
+    run_main(cfg, run, "evaluate")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 
 
 def _policy_check(cfg: DictConfig, wm, critic, ctx: RunContext) -> dict:
@@ -102,8 +102,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="evaluate_worldmodel")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    ctx.finish(run(cfg, ctx))
+    run_main(cfg, run, "evaluate-worldmodel")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import time
 import hydra
 from omegaconf import DictConfig
 
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.export")
 
@@ -57,13 +57,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="export")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    try:
-        report = run(cfg, ctx)
-    except ValueError as e:  # bad input: one clear line, no traceback
-        log.error("%s", e)
-        raise SystemExit(f"wmrl export: {e}") from None
-    ctx.finish(report)
+    run_main(cfg, run, "export")
 
 
 if __name__ == "__main__":

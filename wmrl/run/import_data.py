@@ -24,7 +24,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.import")
 
@@ -201,13 +201,7 @@ def _select_cameras(episodes, cameras: list[str]):
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="import")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    try:
-        report = run(cfg, ctx)
-    except (ValueError, FileExistsError) as e:  # bad input: one clear line, no traceback
-        log.error("%s", e)
-        raise SystemExit(f"wmrl import: {e}") from None
-    ctx.finish(report)
+    run_main(cfg, run, "import", errors=(ValueError, FileExistsError))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from wmrl import grpo
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 from wmrl.types import Episode, Start
 
 log = logging.getLogger("wmrl.pipeline")
@@ -420,8 +420,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="pipeline")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    ctx.finish(run(cfg, ctx))
+    run_main(cfg, run, "pipeline")
 
 
 if __name__ == "__main__":

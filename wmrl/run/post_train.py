@@ -29,7 +29,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from wmrl import grpo
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 from wmrl.types import Obs, Start
 
 log = logging.getLogger("wmrl.post_train")
@@ -281,8 +281,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="post_train")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    ctx.finish(run(cfg, ctx))
+    run_main(cfg, run, "post-train")
 
 
 if __name__ == "__main__":

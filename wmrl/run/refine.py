@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.refine")
 
@@ -149,13 +149,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="refine")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    try:
-        report = run(cfg, ctx)
-    except ValueError as e:
-        log.error("%s", e)
-        raise SystemExit(f"wmrl refine: {e}") from None
-    ctx.finish(report)
+    run_main(cfg, run, "refine")
 
 
 if __name__ == "__main__":

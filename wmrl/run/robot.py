@@ -26,7 +26,7 @@ from robot_bridge.arm import ChunkEnvArm, EpisodeRecorder, run_node
 from robot_bridge.client import ClientConfig
 from robot_bridge.messages import Limits
 from robot_bridge.safety import SafetyLimits
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 from wmrl.types import PANDA_OSC_POSE, Obs
 
 log = logging.getLogger("wmrl.robot")
@@ -120,13 +120,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="robot")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    try:
-        report = run(cfg, ctx)
-    except (ValueError, ConnectionError, TimeoutError) as e:
-        log.error("%s", e)
-        raise SystemExit(f"wmrl robot: {e}") from None
-    ctx.finish(report)
+    run_main(cfg, run, "robot", errors=(ValueError, ConnectionError, TimeoutError))
 
 
 if __name__ == "__main__":

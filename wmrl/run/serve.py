@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from robot_bridge.messages import Limits
 from robot_bridge.server import PolicyServer
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.serve")
 
@@ -132,13 +132,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="serve")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    try:
-        report = run(cfg, ctx)
-    except ValueError as e:
-        log.error("%s", e)
-        raise SystemExit(f"wmrl serve: {e}") from None
-    ctx.finish(report)
+    run_main(cfg, run, "serve")
     sys.stdout.flush()
 
 

@@ -16,7 +16,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from wmrl.run.common import RunContext
+from wmrl.run.common import RunContext, run_main
 
 
 def load_splits(store_path, heldout_every: int, cameras):
@@ -62,8 +62,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="train_worldmodel")
 def main(cfg: DictConfig) -> None:
-    ctx = RunContext(cfg)
-    ctx.finish(run(cfg, ctx))
+    run_main(cfg, run, "train-worldmodel")
 
 
 if __name__ == "__main__":

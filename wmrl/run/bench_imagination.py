@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 
 import hydra
-import numpy as np
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig

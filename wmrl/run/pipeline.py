@@ -31,7 +31,6 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from wmrl import grpo
 from wmrl.run.common import RunContext, run_main
 from wmrl.types import Episode, Start
 

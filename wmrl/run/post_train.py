@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from wmrl import grpo
 from wmrl.run.common import RunContext, run_main
-from wmrl.types import Obs, Start
+from wmrl.types import Start
 
 log = logging.getLogger("wmrl.post_train")
 

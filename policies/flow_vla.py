@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from policies.action_space import as_action_space, clip_to_space
-from policies.samplers import EulerODESampler, SDESampler
+from policies.samplers import EulerODESampler, SDESampler, sample_extras
 from policies.text import EMBED_DIM, encode_instructions
 from wmrl.storage import Normalizer, masked_mse
 from wmrl.types import AGENTVIEW, EYE_IN_HAND, Obs, PolicySample
@@ -356,11 +356,7 @@ class FlowVLAPolicy(nn.Module):
             vf = self._velocity_fn(obs)
             out = self.sampler.sample(vf, (obs.batch_size, self.chunk_size, self.action_dim), generator, self.device)
             actions = clip_to_space(self.normalizer.unnormalize("actions", out.x0), self.action_space).float()
-        extras = {}
-        if out.chain is not None:
-            extras["chain"] = out.chain
-        if getattr(self.sampler, "stochastic", False):
-            extras["noise_level"] = torch.full((obs.batch_size,), self.sampler.noise_level, device=self.device)
+        extras = sample_extras(self.sampler, out, obs.batch_size, self.device)
         return PolicySample(actions=actions, log_prob=out.log_prob.float(), extras=extras)
 
     def log_prob(self, obs: Obs, sample: PolicySample) -> torch.Tensor:

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from policies.action_space import as_action_space, clip_to_space
-from policies.samplers import EulerODESampler
+from policies.samplers import EulerODESampler, sample_extras
 from wmrl.storage import Normalizer
 from wmrl.types import AGENTVIEW, EYE_IN_HAND, Obs, PolicySample
 
@@ -266,11 +266,7 @@ class LeRobotFlowPolicy(nn.Module):
             out = self.sampler.sample(vf, shape, generator, self.device)
             x0 = out.x0[:, : self.chunk_size, : self.action_dim]
             actions = clip_to_space(self.normalizer.unnormalize("actions", x0), self.action_space).float()
-        extras = {}
-        if out.chain is not None:
-            extras["chain"] = out.chain
-        if getattr(self.sampler, "stochastic", False):
-            extras["noise_level"] = torch.full((obs.batch_size,), self.sampler.noise_level, device=self.device)
+        extras = sample_extras(self.sampler, out, obs.batch_size, self.device)
         return PolicySample(actions=actions, log_prob=out.log_prob.float(), extras=extras)
 
     def log_prob(self, obs: Obs, sample: PolicySample) -> torch.Tensor:

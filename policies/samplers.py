@@ -70,6 +70,17 @@ class SamplerOutput:
     chain: torch.Tensor | None = None
 
 
+def sample_extras(sampler, out: SamplerOutput, batch_size: int, device) -> dict[str, torch.Tensor]:
+    """``PolicySample.extras`` of one sampler call: ``chain`` ``(B, K+1, H, D_a)`` when recorded and,
+    for a stochastic sampler, ``noise_level`` ``(B,)`` (checked again by ``log_prob``)."""
+    extras: dict[str, torch.Tensor] = {}
+    if out.chain is not None:
+        extras["chain"] = out.chain
+    if getattr(sampler, "stochastic", False):
+        extras["noise_level"] = torch.full((batch_size,), sampler.noise_level, device=device)
+    return extras
+
+
 def time_grid(num_steps: int, device=None) -> torch.Tensor:
     """``float32 (K+1,)`` grid ``t_k = 1 - k/K`` from 1 (noise) to 0 (actions)."""
     if num_steps < 1:

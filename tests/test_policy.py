@@ -222,3 +222,18 @@ def test_checkpoint_config_keeps_the_sampler(tmp_path):
     assert q.sampler.noise_scale == 0.0 and q.sampler.num_steps == 3
     p.sampler = SDESampler(5, 0.3)
     assert policy_checkpoint_config(p)["sampler"]["noise_level"] == 0.3
+
+
+def test_episodes_per_task_keeps_the_first_n_of_each_task():
+    from wmrl.run.train_policy import cap_episodes_per_task
+
+    names = ["a", "b", "a", "a", "b", "c"]
+    eps = np.arange(len(names))
+    assert cap_episodes_per_task(eps, names, None).tolist() == [0, 1, 2, 3, 4, 5]
+    assert cap_episodes_per_task(eps, names, 1).tolist() == [0, 1, 5]
+    assert cap_episodes_per_task(eps, names, {"a": 2}).tolist() == [0, 1, 2, 4, 5]
+    assert cap_episodes_per_task(eps[[3, 4, 5]], names, {"a": 0, "b": 1}).tolist() == [4, 5]
+    with pytest.raises(ValueError, match="does not have"):
+        cap_episodes_per_task(eps, names, {"z": 1})
+    with pytest.raises(ValueError, match=">= 0"):
+        cap_episodes_per_task(eps, names, -1)

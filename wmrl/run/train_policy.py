@@ -50,6 +50,33 @@ def build_policy(policy_cfg: DictConfig | dict, store) -> object:
     return instantiate(pc, _convert_="all")
 
 
+def cap_episodes_per_task(episodes: np.ndarray, task_names, cap) -> np.ndarray:
+    """Keep the first ``cap`` of ``episodes`` (store order) of each task.
+
+    ``cap``: ``None`` (keep all), an int for every task, or a mapping ``{task: int}`` (tasks not named
+    are kept whole). Raises ``ValueError`` for a negative cap or a task the store does not have."""
+    if cap is None:
+        return episodes
+    if isinstance(cap, (int, np.integer)):
+        caps = {t: int(cap) for t in set(task_names)}
+    else:
+        caps = {str(k): int(v) for k, v in dict(cap).items()}
+        unknown = sorted(set(caps) - set(task_names))
+        if unknown:
+            raise ValueError(f"episodes_per_task names tasks {unknown} that the store does not have "
+                             f"(it has {sorted(set(task_names))})")
+    if any(v < 0 for v in caps.values()):
+        raise ValueError(f"episodes_per_task must be >= 0, got {caps}")
+    seen: dict[str, int] = {}
+    keep = []
+    for e in episodes:
+        t = task_names[e]
+        seen[t] = seen.get(t, 0) + 1
+        if t not in caps or seen[t] <= caps[t]:
+            keep.append(int(e))
+    return np.asarray(keep, dtype=np.int64)
+
+
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from policies.train import train_bc
     from wmrl.storage import EpisodeStore, WindowDataset
@@ -69,8 +96,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         keep = set(cfg.tasks)
         names = store.task_names
         episodes = np.asarray([e for e in episodes if names[e] in keep], dtype=np.int64)
+    episodes = cap_episodes_per_task(episodes, store.task_names, cfg.get("episodes_per_task"))
     if len(episodes) == 0:
-        raise ValueError("no episodes left after the only_successful / tasks filters")
+        raise ValueError("no episodes left after the only_successful / tasks / episodes_per_task filters")
     n = int(cfg.get("val_every_nth_episode") or 0)
     val_eps = episodes[::n] if n > 0 and len(episodes) >= 2 * n else episodes[:0]
     train_eps = np.setdiff1d(episodes, val_eps)

@@ -359,9 +359,10 @@ class FlowVLAPolicy(nn.Module):
         extras = sample_extras(self.sampler, out, obs.batch_size, self.device)
         return PolicySample(actions=actions, log_prob=out.log_prob.float(), extras=extras)
 
-    def log_prob(self, obs: Obs, sample: PolicySample) -> torch.Tensor:
+    def log_prob(self, obs: Obs, sample: PolicySample, per_step: bool = False) -> torch.Tensor:
         """Differentiable ``float32 (B,)`` log-density of ``sample.extras["chain"]`` under the current
-        parameters (see ``policies.samplers.SDESampler``). Raises ``ValueError`` if the policy's sampler is
+        parameters (see ``policies.samplers.SDESampler``); ``per_step=True``: the ``K`` denoising
+        transitions' log-densities ``float32 (B, K)``. Raises ``ValueError`` if the policy's sampler is
         not stochastic, the sample has no chain, or it was drawn with another noise level."""
         if not getattr(self.sampler, "stochastic", False):
             raise ValueError("log_prob needs a stochastic sampler: set policy.sampler = "
@@ -374,7 +375,7 @@ class FlowVLAPolicy(nn.Module):
             raise ValueError(f"sample drawn with noise_level {float(nl.flatten()[0])}, the policy's sampler "
                              f"has {self.sampler.noise_level}")
         vf = self._velocity_fn(obs)
-        return self.sampler.log_prob(vf, chain.to(self.device))
+        return self.sampler.log_prob(vf, chain.to(self.device), per_step=per_step)
 
 
 def build_sampler(kind: str = "ode", num_steps: int = 10, noise_level: float = 0.5):

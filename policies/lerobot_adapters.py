@@ -269,15 +269,16 @@ class LeRobotFlowPolicy(nn.Module):
         extras = sample_extras(self.sampler, out, obs.batch_size, self.device)
         return PolicySample(actions=actions, log_prob=out.log_prob.float(), extras=extras)
 
-    def log_prob(self, obs: Obs, sample: PolicySample) -> torch.Tensor:
-        """Differentiable ``float32 (B,)`` log-density of ``sample.extras["chain"]`` (SDE sampler)."""
+    def log_prob(self, obs: Obs, sample: PolicySample, per_step: bool = False) -> torch.Tensor:
+        """Differentiable ``float32 (B,)`` log-density of ``sample.extras["chain"]`` (SDE sampler);
+        ``per_step=True``: per denoising transition, ``float32 (B, K)``."""
         if not getattr(self.sampler, "stochastic", False):
             raise ValueError("log_prob needs a stochastic sampler: set adapter.sampler = SDESampler(...)")
         chain = sample.extras.get("chain")
         if chain is None:
             raise ValueError("sample has no extras['chain']; it was not drawn with an SDE sampler")
         vf, _ = self._velocity(obs)
-        return self.sampler.log_prob(vf, chain.to(self.device))
+        return self.sampler.log_prob(vf, chain.to(self.device), per_step=per_step)
 
 
 # ----------------------------------------------------------------------------- tiny offline builders

@@ -220,8 +220,12 @@ class SDESampler:
             lp = self.log_prob(velocity_fn, chain_t)
         return SamplerOutput(x0=chain_t[:, -1], log_prob=lp, chain=chain_t)
 
-    def log_prob(self, velocity_fn: VelocityFn, chain: torch.Tensor) -> torch.Tensor:
+    def log_prob(self, velocity_fn: VelocityFn, chain: torch.Tensor, per_step: bool = False) -> torch.Tensor:
         """Exact log-density ``float32 (B,)`` of ``chain`` ``(B, K+1, H, D_a)`` under ``velocity_fn``.
+
+        With ``per_step=True`` it returns the ``K`` transition log-densities ``float32 (B, K)``
+        (without the parameter-free prior): Flow-GRPO's per-denoising-step ratios (Liu et al. 2025,
+        "Flow-GRPO", Eq. 8 sums the clipped surrogate over the steps of the chain).
 
         Raises ``ValueError`` if the chain has not ``K+1`` steps.
         """
@@ -230,13 +234,18 @@ class SDESampler:
                              "was it sampled with a different num_steps?")
         ts = time_grid(self.num_steps, device=chain.device)
         sigmas = self._sigmas(ts)
-        lp = gaussian_log_prob(chain[:, 0], torch.zeros_like(chain[:, 0]), 1.0) if self.include_prior \
-            else torch.zeros(chain.shape[0], device=chain.device, dtype=torch.float64)
+        steps = []
         for k in range(self.num_steps):
             x = chain[:, k]
             v = velocity_fn(x, ts[k].expand(x.shape[0]))
             mean, std = self.transition(x, v, k, ts, sigmas)
-            lp = lp + gaussian_log_prob(chain[:, k + 1], mean, std)
+            steps.append(gaussian_log_prob(chain[:, k + 1], mean, std))
+        if per_step:
+            return torch.stack(steps, 1).float()
+        lp = gaussian_log_prob(chain[:, 0], torch.zeros_like(chain[:, 0]), 1.0) if self.include_prior \
+            else torch.zeros(chain.shape[0], device=chain.device, dtype=torch.float64)
+        for step_lp in steps:
+            lp = lp + step_lp
         return lp.float()
 
     def __repr__(self) -> str:

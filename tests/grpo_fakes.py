@@ -105,10 +105,11 @@ class GaussianChunkPolicy(torch.nn.Module):
         s.log_prob = self.log_prob(obs, s)
         return s
 
-    def log_prob(self, obs: Obs, sample: PolicySample) -> torch.Tensor:
+    def log_prob(self, obs: Obs, sample: PolicySample, per_step: bool = False) -> torch.Tensor:
         mean = self._mean(obs)
         dist = torch.distributions.Normal(mean, self.log_std.exp())
-        return dist.log_prob(sample.actions).sum((1, 2))
+        lp = dist.log_prob(sample.actions).sum((1, 2))
+        return lp[:, None] if per_step else lp  # one Gaussian "step"
 
 
 def toy_starts(n_per_task: int, tasks=("reach_a", "reach_b"), offset: int = 0) -> list[Start]:

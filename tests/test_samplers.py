@@ -53,6 +53,21 @@ def test_sde_log_prob_recomputed_equals_sampling_and_ratio_is_one():
     assert not torch.allclose(sampler.log_prob(net, out.chain), out.log_prob, atol=1e-3)
 
 
+def test_sde_per_step_log_probs_sum_to_the_chain_and_ratios_are_one():
+    net = TinyVelocity(seed=3)
+    sampler = SDESampler(num_steps=5, noise_level=0.6)
+    out = sampler.sample(net, (4, 2, 3), generator=torch.Generator().manual_seed(2))
+    steps = sampler.log_prob(net, out.chain, per_step=True)
+    assert steps.shape == (4, 5) and steps.dtype == torch.float32
+    prior = gaussian_log_prob(out.chain[:, 0], torch.zeros_like(out.chain[:, 0]), 1.0)
+    assert torch.allclose(steps.double().sum(1) + prior, out.log_prob.double(), atol=1e-4)
+    assert torch.equal(torch.exp(sampler.log_prob(net, out.chain, per_step=True) - steps), torch.ones(4, 5))
+    with torch.no_grad():
+        net.net[2].bias.add_(0.1)
+    moved = sampler.log_prob(net, out.chain, per_step=True)
+    assert not torch.allclose(moved, steps, atol=1e-3)
+
+
 def test_sde_log_prob_matches_independent_gaussian_density():
     """One-step chain, zero velocity: mean = x - h * sigma^2/(2t) * x, std = sigma sqrt(h)."""
     sampler = SDESampler(num_steps=2, noise_level=0.5)

@@ -399,6 +399,9 @@ class GRPOConfig:
         scale_by_std: ``False`` uses the mean-only (Dr. GRPO) baseline.
         reward_mode: see :func:`rollout_returns`.
         success_bonus: success bonus for ``reward_mode="return+success"``.
+        ratio: ``"per_step"``: one importance ratio per denoising transition of the chain, each
+            clipped (Flow-GRPO, Liu et al. 2025); ``"chain"``: one ratio for the whole chain's
+            log-prob (its product over the steps, clipped far more often).
     """
 
     group_size: int = 8
@@ -412,6 +415,26 @@ class GRPOConfig:
     scale_by_std: bool = True
     reward_mode: str = "return"
     success_bonus: float = 1.0
+    ratio: str = "per_step"
+
+    def __post_init__(self):
+        if self.ratio not in ("per_step", "chain"):
+            raise ValueError(f"GRPOConfig.ratio must be 'per_step' or 'chain', got {self.ratio!r}")
+
+
+def _old_log_probs(policy: Policy, batch: TransitionBatch, per_step: bool, chunk: int) -> torch.Tensor:
+    """Log-probs of the recorded chains at the sampling parameters (no grad): the recorded chain
+    log-prob, or, per step, recomputed before the first update (identical parameters, so the
+    ratio starts at exactly 1)."""
+    if not per_step:
+        return batch.samples.log_prob
+    parts = []
+    with torch.no_grad():
+        for i in range(0, len(batch), chunk):
+            idx = torch.arange(i, min(i + chunk, len(batch)))
+            mb = batch.index(idx)
+            parts.append(policy.log_prob(mb.obs, mb.samples, per_step=True).detach())
+    return torch.cat(parts)
 
 
 def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: TransitionBatch, cfg: GRPOConfig,
@@ -421,18 +444,22 @@ def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Transit
     differentiable."""
     params = [p for p in policy.parameters() if p.requires_grad]  # type: ignore[attr-defined]
     m = len(batch)
+    per_step = cfg.ratio == "per_step"
+    old_all = _old_log_probs(policy, batch, per_step, cfg.minibatch_size)
     stats: dict[str, list[float]] = {}
     for _ in range(cfg.epochs):
         perm = torch.randperm(m, generator=generator)
         for i in range(0, m, cfg.minibatch_size):
             idx = perm[i:i + cfg.minibatch_size]
             mb = batch.index(idx)
-            new_lp = policy.log_prob(mb.obs, mb.samples)
-            loss, st = clipped_surrogate_loss(new_lp, mb.samples.log_prob, mb.advantages, clip_eps=cfg.clip_eps,
+            new_lp = policy.log_prob(mb.obs, mb.samples, per_step=True) if per_step \
+                else policy.log_prob(mb.obs, mb.samples)
+            loss, st = clipped_surrogate_loss(new_lp, old_all[idx], mb.advantages, clip_eps=cfg.clip_eps,
                                               weights=mb.weights)
             if cfg.kl_coef > 0 and ref_policy is not None:
                 with torch.no_grad():
-                    ref_lp = ref_policy.log_prob(mb.obs, mb.samples)
+                    ref_lp = ref_policy.log_prob(mb.obs, mb.samples, per_step=True) if per_step \
+                        else ref_policy.log_prob(mb.obs, mb.samples)
                 kl = kl_to_reference(new_lp, ref_lp)
                 loss = loss + cfg.kl_coef * kl
                 st["kl_ref"] = float(kl.detach())

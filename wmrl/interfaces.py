@@ -23,8 +23,10 @@ class Policy(Protocol):
     def sample(self, obs: Obs, generator: torch.Generator | None = None) -> PolicySample:
         """Sample an action chunk ``(B, H, D_a)`` for ``obs`` (batch ``B``)."""
 
-    def log_prob(self, obs: Obs, sample: PolicySample) -> torch.Tensor:
-        """Differentiable ``float32 (B,)`` log-probability of ``sample`` under the current params."""
+    def log_prob(self, obs: Obs, sample: PolicySample, per_step: bool = False) -> torch.Tensor:
+        """Differentiable ``float32 (B,)`` log-probability of ``sample`` under the current params;
+        ``per_step=True``: per step of the sampling chain, ``float32 (B, K)`` (``K = 1`` for a
+        policy that samples in one step)."""
 
 
 @runtime_checkable

@@ -95,7 +95,10 @@ class PolicyServer:
     def _rtc(self, obs: Obs, prefix: np.ndarray, delay: int) -> torch.Tensor:
         pol = self.policy
         y = pol.to_flow_space(torch.from_numpy(prefix))
-        noise = torch.randn(1, self.chunk_size, self.action_dim, generator=self.generator)
+        # the same sampling temperature as the policy's own sampler (e.g. noise_scale=0: from the prior
+        # mean, as the VLA is evaluated); RTC then only adds the prefix guidance
+        scale = float(getattr(getattr(pol, "sampler", None), "noise_scale", 1.0))
+        noise = torch.randn(1, self.chunk_size, self.action_dim, generator=self.generator) * scale
         x = rtc_sample(pol.rtc_velocity_fn(obs), noise, y, delay, num_steps=int(getattr(pol, "num_steps", 10)),
                        beta=self.rtc_beta)
         return pol.from_flow_space(x)

@@ -12,7 +12,7 @@ from robot_bridge.client import ClientConfig, RobotClient
 from robot_bridge.queue import ActionQueue
 from robot_bridge.rtc import prefix_weights, rtc_sample
 from robot_bridge.safety import SafetyFilter, SafetyLimits, Watchdog
-from robot_bridge.server import PolicyServer
+from robot_bridge.server import PolicyServer, obs_from_message
 from robot_bridge.testing import GoalPolicy, KinematicArm, TrackingPolicy
 from robot_bridge.transports.inproc import InProcTransport
 from wmrl.types import Obs, PolicySample
@@ -223,6 +223,26 @@ def test_server_uses_rtc_for_requests_with_prefix():
     assert all(c.shape == (16, D_A) for c in chunks)
     assert sum(c[2:].mean() < 0 for c in chunks) >= 9
     np.testing.assert_allclose(chunks[0][:2], -0.8)
+
+
+def test_server_rtc_samples_at_the_policy_sampler_temperature():
+    """A policy evaluated from the prior mean (sampler.noise_scale = 0) gets the same chunk from the
+    RTC path with an empty prefix as from its own sampler: RTC adds guidance, not noise."""
+    from types import SimpleNamespace
+
+    pol = TwoModeFlowPolicy()
+    pol.sampler = SimpleNamespace(noise_scale=0.0)
+    pol.sample = lambda obs, generator=None: PolicySample(
+        rtc_sample(pol.rtc_velocity_fn(obs), torch.zeros(1, 16, D_A), None, 0), torch.zeros(1))
+    srv = PolicyServer(pol)
+    env = _obs_env(prefix_actions=np.zeros((0, D_A), np.float32))
+    rtc_chunks = [srv._rtc(obs_from_message(env.observation), np.zeros((0, D_A), np.float32), 0) for _ in range(3)]
+    plain = pol.sample(obs_from_message(env.observation)).actions
+    for c in rtc_chunks:
+        torch.testing.assert_close(c, plain)
+    pol.sampler.noise_scale = 1.0  # a temperature-1 policy gets fresh noise per request
+    a, b = (srv._rtc(obs_from_message(env.observation), np.zeros((0, D_A), np.float32), 0) for _ in range(2))
+    assert not torch.allclose(a, b)
 
 
 # ----------------------------------------------------------------------------- server / client

@@ -24,8 +24,57 @@ from wmrl.run.common import RunContext, run_main
 log = logging.getLogger("wmrl.collect")
 
 
-def run(cfg: DictConfig, ctx: RunContext) -> dict:
+def _collect_tasks(suite_cfg: dict, tasks: list[str], n: int, noise: float, seed: int, out: str,
+                   have: dict[str, int], total: int, position: int = 0) -> dict:
+    """Collect the missing episodes of ``tasks`` (in order) into the store at ``out``; returns
+    per-task ``{episodes, successes, steps}``. Runs in the main process or in a worker."""
     from sim.collect import collect_episodes
+    from wmrl.storage import EpisodeStore
+
+    suite = instantiate(suite_cfg)
+    store = EpisodeStore.open(out, mode="a")
+    stats = {t: {"episodes": 0, "successes": 0, "steps": 0} for t in tasks}
+    bar = tqdm(total=total, desc="collect" if not position else f"collect[{position}]", unit="ep",
+               position=position)
+    for t in tasks:
+        for ep in collect_episodes(suite, n, noise=noise, seed=seed, tasks=[t], start_index=have[t]):
+            store.append(ep)
+            s = stats[t]
+            s["episodes"] += 1
+            s["successes"] += int(ep.success)
+            s["steps"] += ep.length
+            bar.update(1)
+            bar.set_postfix(task=t, success=f"{s['successes']}/{s['episodes']}")
+    bar.close()
+    return stats
+
+
+def _collect_parallel(cfg: DictConfig, suite, tasks: list[str], n: int, noise: float, out, have: dict,
+                      total: int, workers: int) -> dict:
+    """Whole tasks per worker process (each task's episodes stay in order, so a re-run resumes
+    per task); the workers append to one store under its append lock. Tasks are dealt to the
+    worker with the least expected work (episodes x the task's step limit)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    load = [0.0] * workers
+    groups: list[list[str]] = [[] for _ in range(workers)]
+    for t in sorted(tasks, key=lambda t: -max(0, n - have[t]) * suite.task(t).max_steps):
+        k = int(np.argmin(load))
+        groups[k].append(t)
+        load[k] += max(0, n - have[t]) * suite.task(t).max_steps
+    suite_cfg = OmegaConf.to_container(cfg.suite, resolve=True)
+    stats: dict = {}
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        futs = [pool.submit(_collect_tasks, suite_cfg, g, n, noise, int(cfg.seed), str(out), have,
+                            sum(max(0, n - have[t]) for t in g), i + 1)
+                for i, g in enumerate(groups) if g]
+        for f in futs:
+            stats.update(f.result())
+    return {t: stats[t] for t in tasks}
+
+
+def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from wmrl.storage import EpisodeStore
 
     if cfg.get("out") in (None, "", "???"):
@@ -45,18 +94,13 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     total = sum(max(0, n - have[t]) for t in tasks)
     if total < sum(n for _ in tasks):
         log.info("continuing %s: already stored %s", out, have)
-    stats = {t: {"episodes": 0, "successes": 0, "steps": 0} for t in tasks}
-    bar = tqdm(total=total, desc="collect", unit="ep")
-    for t in tasks:
-        for ep in collect_episodes(suite, n, noise=noise, seed=int(cfg.seed), tasks=[t], start_index=have[t]):
-            store.append(ep)
-            s = stats[t]
-            s["episodes"] += 1
-            s["successes"] += int(ep.success)
-            s["steps"] += ep.length
-            bar.update(1)
-            bar.set_postfix(task=t, success=f"{s['successes']}/{s['episodes']}")
-    bar.close()
+    workers = max(1, min(int(cfg.get("workers") or 1), len(tasks)))
+    if workers > 1:
+        stats = _collect_parallel(cfg, suite, tasks, n, noise, out, have, total, workers)
+    else:
+        stats = _collect_tasks(OmegaConf.to_container(cfg.suite, resolve=True), tasks, n, noise, int(cfg.seed),
+                               str(out), have, total)
+    store = EpisodeStore.open(out, mode="r")
     for t, s in stats.items():
         s["success_rate"] = s["successes"] / s["episodes"] if s["episodes"] else None
         log.info("%-22s %d new episodes, success %s", t, s["episodes"], s["success_rate"])

@@ -141,6 +141,19 @@ def test_wmrl_evaluate_run_with_expert(tmp_path):
         evaluate.run(cfg, ctx)
 
 
+def test_wmrl_evaluate_with_worker_processes_equals_one_process(tmp_path):
+    from wmrl.run import evaluate
+    from wmrl.run.common import RunContext
+
+    reps = []
+    for w in (1, 2):
+        cfg = _compose("evaluate", ["suite=tiny", "noise=0.6", "episodes_per_task=3", "batch_size=2",
+                                    "videos_per_task=1", f"workers={w}"])
+        reps.append(evaluate.run(cfg, RunContext(cfg, out_dir=tmp_path / f"w{w}")))
+    assert reps[0]["episodes"] == reps[1]["episodes"] and reps[0]["episodes_sha256"] == reps[1]["episodes_sha256"]
+    assert reps[0]["videos"] == reps[1]["videos"] and len(reps[1]["videos"]) == 2
+
+
 def test_wmrl_collect_writes_episodes_and_continues(tmp_path):
     from wmrl.run import collect
     from wmrl.run.common import RunContext

@@ -126,48 +126,10 @@ def _write_video(path: Path, frames: list[np.ndarray], fps: int) -> None:
             w.append_data(np.asarray(f, dtype=np.uint8))
 
 
-def evaluate_policy(policy_or_actor, suite, episodes_per_task: int = 50, batch_size: int = 10, seed: int = 0,
-                    out_dir: str | Path | None = None, videos_per_task: int = 2, video_camera: str = "agentview",
-                    video_size: tuple[int, int] = (128, 128), tasks: list[str] | None = None,
-                    per_episode_sampling: bool = True, device: str = "cpu", fps: int = 20,
-                    progress: bool = True) -> dict[str, Any]:
-    """Evaluate on every task of ``suite``; returns the report dict (also written to ``out_dir``).
-
-    Args:
-        policy_or_actor: a ``Policy`` (wrapped in :class:`PolicyActor`) or an actor (e.g.
-            ``suite.make_expert(noise)``).
-        suite: the task suite (see module docstring).
-        episodes_per_task: episodes per task; episode ``j`` uses eval init state ``j``.
-        batch_size: parallel environments ``B`` (results do not depend on it).
-        seed: base seed of the per-episode seeds.
-        out_dir: where ``episodes.csv``, ``episodes.json`` and ``videos/<task>_ep<j>.mp4`` go
-            (nothing is written when ``None``).
-        videos_per_task: the first ``n`` episodes of each task are filmed from ``video_camera`` at
-            ``video_size`` (``(Hi, Wi)``), every control step, ``fps`` frames/s.
-        tasks: subset of the suite's tasks (default: all).
-
-    Returns:
-        ``{"tasks": {task: {success_rate, ci95: [lo, hi], successes, episodes, mean_length,
-        mean_length_success}}, "overall": {...}, "episodes": [rows], "episodes_sha256", ...}``
-        where a row is ``{task, episode, init_index, seed, success, length, reward}``.
-
-    Raises:
-        ValueError: ``episodes_per_task < 1``, ``batch_size < 1`` or a task not in the suite.
-    """
-    if episodes_per_task < 1:
-        raise ValueError(f"episodes_per_task must be >= 1, got {episodes_per_task}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    task_names = list(tasks) if tasks else list(suite.task_names)
-    for t in task_names:
-        if t not in suite.task_names:
-            raise ValueError(f"task {t!r} is not in the suite (tasks: {suite.task_names})")
-    actor = policy_or_actor if hasattr(policy_or_actor, "begin") else PolicyActor(
-        policy_or_actor, per_episode_sampling=per_episode_sampling, device=device)
-    out = Path(out_dir) if out_dir is not None else None
-
-    queue = [(t, j) for t in task_names for j in range(episodes_per_task)]
-    B = min(int(batch_size), len(queue))
+def _run_queue(actor, suite, queue: list[tuple[str, int]], B: int, seed: int, out: Path | None,
+               videos_per_task: int, video_camera: str, video_size, fps: int, progress: bool,
+               desc: str = "evaluate", position: int = 0) -> dict[tuple[str, int], dict]:
+    """Run the episodes ``queue`` ``[(task, j)]`` on ``B`` slots; returns ``{(task, j): row}``."""
     cams = None if getattr(actor, "needs_images", True) else ()
     env = suite.make_env(B, auto_reset=False, cameras=cams)
     slot_ep: list[tuple | None] = [None] * B
@@ -196,7 +158,7 @@ def evaluate_policy(policy_or_actor, suite, episodes_per_task: int = 50, batch_s
         return env.reset_slots(used, starts) if used else None
 
     obs = assign(range(B))
-    bar = tqdm(total=len(queue), desc="evaluate", disable=not progress, unit="ep")
+    bar = tqdm(total=len(queue), desc=desc, disable=not progress, unit="ep", position=position)
     while any(e is not None for e in slot_ep):
         active = [e is not None for e in slot_ep]
         res = env.step(actor.act(env, obs, active))
@@ -223,6 +185,96 @@ def evaluate_policy(policy_or_actor, suite, episodes_per_task: int = 50, batch_s
             new_obs = assign(finished)
             obs = new_obs if new_obs is not None else obs
     bar.close()
+    return rows
+
+
+def _worker(make_actor, make_suite, queue, B, seed, out, videos_per_task, video_camera, video_size, fps,
+            per_episode_sampling, device, position) -> list[dict]:
+    torch.set_num_threads(1)
+    actor = make_actor()
+    if not hasattr(actor, "begin"):
+        actor = PolicyActor(actor, per_episode_sampling=per_episode_sampling, device=device)
+    rows = _run_queue(actor, make_suite(), queue, min(B, len(queue)), seed, out, videos_per_task, video_camera,
+                      video_size, fps, True, desc=f"evaluate[{position}]", position=position)
+    return list(rows.values())
+
+
+def _run_parallel(make_actor, make_suite, queue, workers: int, B: int, seed: int, out: Path | None,
+                  videos_per_task: int, video_camera: str, video_size, fps: int, per_episode_sampling: bool,
+                  device) -> dict[tuple[str, int], dict]:
+    """Deal the queue round-robin to ``workers`` spawned processes (one torch thread each); every
+    episode is still fixed by its (task, j), so the rows equal a one-process run."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    parts = [queue[k::workers] for k in range(workers)]
+    rows: dict[tuple[str, int], dict] = {}
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        futs = [pool.submit(_worker, make_actor, make_suite, part, B, seed, out, videos_per_task, video_camera,
+                            tuple(video_size), fps, per_episode_sampling, str(device), k + 1)
+                for k, part in enumerate(parts) if part]
+        for f in futs:
+            for r in f.result():
+                rows[(r["task"], r["episode"])] = r
+    return rows
+
+
+def evaluate_policy(policy_or_actor, suite, episodes_per_task: int = 50, batch_size: int = 10, seed: int = 0,
+                    out_dir: str | Path | None = None, videos_per_task: int = 2, video_camera: str = "agentview",
+                    video_size: tuple[int, int] = (128, 128), tasks: list[str] | None = None,
+                    per_episode_sampling: bool = True, device: str = "cpu", fps: int = 20,
+                    progress: bool = True, workers: int = 1, make_actor=None, make_suite=None) -> dict[str, Any]:
+    """Evaluate on every task of ``suite``; returns the report dict (also written to ``out_dir``).
+
+    Args:
+        policy_or_actor: a ``Policy`` (wrapped in :class:`PolicyActor`) or an actor (e.g.
+            ``suite.make_expert(noise)``).
+        suite: the task suite (see module docstring).
+        episodes_per_task: episodes per task; episode ``j`` uses eval init state ``j``.
+        batch_size: parallel environments ``B`` (results do not depend on it).
+        seed: base seed of the per-episode seeds.
+        out_dir: where ``episodes.csv``, ``episodes.json`` and ``videos/<task>_ep<j>.mp4`` go
+            (nothing is written when ``None``).
+        videos_per_task: the first ``n`` episodes of each task are filmed from ``video_camera`` at
+            ``video_size`` (``(Hi, Wi)``), every control step, ``fps`` frames/s.
+        tasks: subset of the suite's tasks (default: all).
+        workers: processes (spawned; one torch thread each) that share the episode queue; the
+            results equal a one-process run. ``workers > 1`` needs ``make_actor`` and
+            ``make_suite``: picklable zero-argument callables (e.g. ``functools.partial`` of a
+            module-level function) that rebuild the actor / policy and the suite in a worker.
+
+    Returns:
+        ``{"tasks": {task: {success_rate, ci95: [lo, hi], successes, episodes, mean_length,
+        mean_length_success}}, "overall": {...}, "episodes": [rows], "episodes_sha256", ...}``
+        where a row is ``{task, episode, init_index, seed, success, length, reward}``.
+
+    Raises:
+        ValueError: ``episodes_per_task < 1``, ``batch_size < 1`` or a task not in the suite.
+    """
+    if episodes_per_task < 1:
+        raise ValueError(f"episodes_per_task must be >= 1, got {episodes_per_task}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    task_names = list(tasks) if tasks else list(suite.task_names)
+    for t in task_names:
+        if t not in suite.task_names:
+            raise ValueError(f"task {t!r} is not in the suite (tasks: {suite.task_names})")
+    out = Path(out_dir) if out_dir is not None else None
+    queue = [(t, j) for t in task_names for j in range(episodes_per_task)]
+    workers = max(1, min(int(workers), len(queue)))
+    if workers > 1:
+        if make_actor is None or make_suite is None:
+            raise ValueError("evaluate_policy(workers > 1) needs make_actor and make_suite: picklable "
+                             "callables that rebuild the actor / suite in each worker process")
+        rows = _run_parallel(make_actor, make_suite, queue, workers, int(batch_size), seed, out,
+                             videos_per_task, video_camera, video_size, fps, per_episode_sampling, device)
+        B = min(int(batch_size), len(queue))
+    else:
+        actor = policy_or_actor if hasattr(policy_or_actor, "begin") else PolicyActor(
+            policy_or_actor, per_episode_sampling=per_episode_sampling, device=device)
+        B = min(int(batch_size), len(queue))
+        rows = _run_queue(actor, suite, queue, B, seed, out, videos_per_task, video_camera, video_size, fps,
+                          progress)
 
     table = [rows[(t, j)] for t in task_names for j in range(episodes_per_task)]
     per_task = {}

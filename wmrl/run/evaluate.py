@@ -39,15 +39,44 @@ def make_actor(cfg: DictConfig, ctx: RunContext, suite):
     return policy
 
 
+def build_suite(suite_cfg: dict):
+    """The suite from its (resolved) config dict: picklable with ``functools.partial`` for workers."""
+    return instantiate(suite_cfg)
+
+
+def build_actor(checkpoint: str, noise: float, suite_cfg: dict, device: str = "cpu", sampler_cfg: dict | None = None):
+    """The scripted expert (``checkpoint="expert"``) or the policy in a checkpoint folder (in eval
+    mode, with ``sampler_cfg`` instantiated as its sampler when given), for worker processes."""
+    if checkpoint == "expert":
+        return build_suite(suite_cfg).make_expert(float(noise))
+    from wmrl.checkpoint import load_checkpoint
+
+    policy = load_checkpoint(checkpoint, map_location=device)
+    if hasattr(policy, "eval"):
+        policy.eval()
+    if sampler_cfg:
+        policy.sampler = instantiate(sampler_cfg)
+    return policy
+
+
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
+    from functools import partial
+
+    from omegaconf import OmegaConf
+
     suite = instantiate(cfg.suite)
     actor = make_actor(cfg, ctx, suite)
+    suite_cfg = OmegaConf.to_container(cfg.suite, resolve=True)
+    ckpt = "expert" if str(cfg.checkpoint) == "expert" else str(ctx.path(cfg.checkpoint))
     report = evaluate_policy(
         actor, suite, episodes_per_task=int(cfg.episodes_per_task), batch_size=int(cfg.batch_size),
         seed=int(cfg.seed), out_dir=ctx.out_dir, videos_per_task=int(cfg.videos_per_task),
         video_camera=str(cfg.video_camera), video_size=tuple(cfg.video_size),
         tasks=list(cfg.tasks) if cfg.get("tasks") else None,
-        per_episode_sampling=bool(cfg.per_episode_sampling), device=str(cfg.device))
+        per_episode_sampling=bool(cfg.per_episode_sampling), device=str(cfg.device),
+        workers=int(cfg.get("workers") or 1),
+        make_actor=partial(build_actor, ckpt, float(cfg.get("noise", 0.0)), suite_cfg, str(cfg.device)),
+        make_suite=partial(build_suite, suite_cfg))
     report["policy"] = str(cfg.checkpoint)
     if str(cfg.checkpoint) == "expert":
         report["noise"] = float(cfg.get("noise", 0.0))

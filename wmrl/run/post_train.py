@@ -146,10 +146,12 @@ def build_env(env_cfg: DictConfig, suite, seed: int = 0, device: str = "cpu"):
 
 
 def evaluate_real(policy, tasks: dict, episodes_per_task: int, num_envs: int, seed: int, suite=None, env=None,
-                  max_chunks: int = 20, out_dir=None, videos_per_task: int = 0, progress: bool = False) -> dict:
+                  max_chunks: int = 20, out_dir=None, videos_per_task: int = 0, progress: bool = False,
+                  workers: int = 1, make_actor=None, make_suite=None) -> dict:
     """Real-sim success on held-out init states ``0..episodes_per_task-1`` of every task.
 
-    With a ``suite``: :func:`wmrl.evaluation.evaluate_policy` (per-episode seeds, videos); with an
+    With a ``suite``: :func:`wmrl.evaluation.evaluate_policy` (per-episode seeds, videos; ``workers``
+    processes with ``make_actor`` / ``make_suite`` as there); with an
     explicit ``env`` (tests, custom envs): :func:`wmrl.grpo.evaluate_success`. Returns
     ``{"success", "ci95", "n", "per_task": {task: {"success", "ci95", "n"}}}``."""
     if env is not None or suite is None:
@@ -162,7 +164,8 @@ def evaluate_real(policy, tasks: dict, episodes_per_task: int, num_envs: int, se
     from wmrl.evaluation import evaluate_policy
 
     rep = evaluate_policy(policy, suite, episodes_per_task=episodes_per_task, batch_size=num_envs, seed=seed,
-                          out_dir=out_dir, videos_per_task=videos_per_task, tasks=list(tasks), progress=progress)
+                          out_dir=out_dir, videos_per_task=videos_per_task, tasks=list(tasks), progress=progress,
+                          workers=workers, make_actor=make_actor, make_suite=make_suite)
     out = {"success": rep["overall"]["success_rate"], "ci95": rep["overall"]["ci95"], "n": rep["overall"]["episodes"],
            "per_task": {t: {"success": v["success_rate"], "ci95": v["ci95"], "n": v["episodes"],
                             "mean_length": v["mean_length"]} for t, v in rep["tasks"].items()}}

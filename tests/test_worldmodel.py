@@ -214,6 +214,29 @@ def _compose(name, overrides):
         return compose(config_name=name, overrides=overrides)
 
 
+def test_imagined_frame_bank_rolls_the_model_from_real_frames(frames):
+    """An untrained model is copy-last-frame, so every bank frame is the real frame k chunks
+    before the step it stands for (k in 1..max_chunks), with that frame's proprio."""
+    from worldmodels.train import imagined_frame_bank
+
+    m = tiny_model()
+    fit_world_model_stats(m, frames)
+    H = m.chunk_size
+    imgs, prop, flat = imagined_frame_bank(m, frames, 40, 2, np.random.default_rng(0), batch_size=16, progress=False)
+    assert imgs.shape == (40, *frames.images.shape[1:]) and imgs.dtype == np.uint8
+    assert prop.shape == (40, frames.state_dim) and flat.dtype == np.int64
+    ks = set()
+    for i in range(40):
+        match = [k for k in (1, 2) if np.array_equal(imgs[i], frames.images[flat[i] - k * H])]
+        assert match, f"bank frame {i} is not a real frame 1-2 chunks before its step"
+        ks.add(match[0])
+        np.testing.assert_allclose(prop[i], frames.proprio[flat[i] - match[0] * H], atol=1e-5)
+    assert ks == {1, 2}
+    with pytest.raises(ValueError, match="cameras"):
+        imagined_frame_bank(tiny_model(cameras=["robot0_eye_in_hand", "agentview"]), frames, 4, 1,
+                            np.random.default_rng(0), progress=False)
+
+
 def test_entry_points_train_and_evaluate(tmp_path):
     from wmrl.run import evaluate_worldmodel, train_critic, train_worldmodel
     from wmrl.run.common import RunContext
@@ -228,7 +251,13 @@ def test_entry_points_train_and_evaluate(tmp_path):
                                      "train.steps=20", "train.batch_size=16", "train.success_tail=4",
                                      "train.max_minutes=null"])
     crep = train_critic.run(ccfg, RunContext(ccfg, out_dir=tmp_path / "cr"))
-    assert crep["steps"] == 20 and "auroc" in crep["heldout"]
+    assert crep["steps"] == 20 and "auroc" in crep["heldout"] and crep["imagined_bank"] == 0
+    icfg = _compose("train_critic", ["critic=tiny", f"store={store}", "num_threads=1", "progress=false",
+                                     "train.steps=5", "train.batch_size=16", "train.success_tail=4",
+                                     "train.max_minutes=null", f"imagined.world_model={tmp_path / 'wm/checkpoints/last'}",
+                                     "imagined.bank_size=20", "imagined.max_chunks=2"])
+    irep = train_critic.run(icfg, RunContext(icfg, out_dir=tmp_path / "cr_im"))
+    assert irep["steps"] == 5 and irep["imagined_bank"] == 20
     ecfg = _compose("evaluate_worldmodel", [f"store={store}", f"world_model={tmp_path / 'wm/checkpoints/last'}",
                                             f"critic_checkpoint={tmp_path / 'cr/checkpoints/last'}", "max_chunks=3",
                                             "num_threads=1"])

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from wmrl.checkpoint import load_checkpoint, load_checkpoint_meta, load_extra_tensors, save_checkpoint
 from worldmodels.critic import ProgressValueCritic
 from worldmodels.data import EpisodeFrames
-from worldmodels.video_wm import ChunkFlowWorldModel, to_uint8, to_unit
+from worldmodels.video_wm import ChunkFlowWorldModel, WMState, to_uint8, to_unit
 
 
 # ---------------------------------------------------------------------------- optimizer state
@@ -286,14 +286,76 @@ def _augment(frames: torch.Tensor, rng: np.random.Generator, shift: int = 4, p_b
     return x.round().clamp(0, 255).to(torch.uint8)
 
 
+@torch.no_grad()
+def imagined_frame_bank(world_model: ChunkFlowWorldModel, data: EpisodeFrames, size: int, max_chunks: int,
+                        rng: np.random.Generator, batch_size: int = 64, progress: bool = True
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """World-model versions of stored frames, to train the critic on what it will score in imagination.
+
+    For ``size`` random steps ``t`` (with ``t >= H``) of ``data``, the model imagines ``k`` chunks
+    (``k`` uniform in ``1..max_chunks``, at most ``t // H``) from the real frame at ``t - k H`` with the
+    episode's true actions; the result stands in for the real frame at ``t`` and takes its labels
+    (as in WMRL's and WoVR's point that rewards must be computed on imagined, not real, frames).
+
+    Returns:
+        ``images uint8 (size, 3 * n_cam, Hi, Wi)`` in ``data.cameras`` order, ``proprio float32
+        (size, D_s)`` (the model's prediction) and ``flat_index int64 (size,)`` (the real step each
+        replaces, aligned with ``data.images``).
+
+    Raises:
+        ValueError: the model's cameras differ from ``data.cameras`` or no episode is longer than H.
+    """
+    if list(world_model.cameras) != list(data.cameras):
+        raise ValueError(f"world model cameras {world_model.cameras} differ from the critic's {data.cameras}; "
+                         "train both on the same cameras in the same order")
+    H = world_model.chunk_size
+    long = np.nonzero(data.lengths > H)[0]
+    if len(long) == 0:
+        raise ValueError(f"no episode is longer than the chunk length H={H}")
+    ep = rng.choice(long, size=size)
+    t = (rng.random(size) * (data.lengths[ep] - H)).astype(np.int64) + H   # H .. T-1
+    k = np.minimum(rng.integers(1, max_chunks + 1, size=size), t // H)
+    dev = world_model.proprio_mean.device
+    images = np.empty((size, *data.images.shape[1:]), dtype=np.uint8)
+    proprio = np.empty((size, data.proprio.shape[1]), dtype=np.float32)
+    order = np.argsort(k, kind="stable")
+    bar = tqdm(total=size, desc="imagined frames for the critic", disable=not progress, dynamic_ncols=True)
+    for i in range(0, size, batch_size):
+        sel = order[i:i + batch_size]
+        kk = int(k[sel].max())
+        g0 = data.offsets[ep[sel]] + t[sel] - k[sel] * H
+        state = WMState(to_unit(torch.from_numpy(data.images[g0]).to(dev)), torch.from_numpy(data.proprio[g0]).to(dev),
+                        [data.instructions[e] for e in ep[sel]])
+        frames, prop = state.frames.clone(), state.proprio.clone()
+        for c in range(kk):
+            live = torch.from_numpy(k[sel] > c)
+            if not bool(live.any()):
+                break
+            a_idx = g0[live.numpy()][:, None] + c * H + np.arange(H)[None]
+            sub = state.index(live)
+            sub, _ = world_model.imagine(sub, torch.from_numpy(data.actions[a_idx]).to(dev))
+            frames[live], prop[live] = sub.frames, sub.proprio
+            state = WMState(frames.clone(), prop.clone(), state.task)
+        images[sel] = to_uint8(frames).cpu().numpy()
+        proprio[sel] = prop.float().cpu().numpy()
+        bar.update(len(sel))
+    bar.close()
+    return images, proprio, data.offsets[ep] + t
+
+
 def train_critic(critic: ProgressValueCritic, critic_config: dict, train: EpisodeFrames, out_dir: Path,
                  heldout: EpisodeFrames | None = None, steps: int = 1500, batch_size: int = 64, lr: float = 1e-3,
                  weight_decay: float = 1e-4, warmup: int = 50, success_tail: int = 10, fail_progress: float = 0.3,
                  max_minutes: float | None = None, log_every: int = 25, eval_every: int = 250,
                  checkpoint_every: int = 250, resume: bool = True, tensorboard: bool = True,
-                 progress: bool = True, seed: int = 0, augment: bool = True, budget_clock: str = "wall") -> dict:
+                 progress: bool = True, seed: int = 0, augment: bool = True, budget_clock: str = "wall",
+                 imagined: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                 imagined_fraction: float = 0.0) -> dict:
     """Train the progress-value critic on every frame of ``train`` (targets from
-    :meth:`EpisodeFrames.frame_labels`); returns a report dict (held-out AUROC when given)."""
+    :meth:`EpisodeFrames.frame_labels`); returns a report dict (held-out AUROC when given).
+
+    ``imagined``: a bank from :func:`imagined_frame_bank`; a fraction ``imagined_fraction`` of every
+    batch is drawn from it (imagined frames with the labels of the real frames they replace)."""
     from worldmodels.evaluate import critic_auroc
 
     out_dir = Path(out_dir)
@@ -323,12 +385,19 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup,
                             clock.elapsed() / (60 * max_minutes) if max_minutes else 0.0)
-        idx = rng.integers(0, len(prog_all), size=batch_size)
-        frames = torch.from_numpy(train.images[idx])
+        n_im = int(round(imagined_fraction * batch_size)) if imagined is not None else 0
+        idx = rng.integers(0, len(prog_all), size=batch_size - n_im)
+        frames_np, prop_np = train.images[idx], train.proprio[idx]
+        if n_im:
+            j = rng.integers(0, len(imagined[2]), size=n_im)
+            idx = np.concatenate([idx, imagined[2][j]])
+            frames_np = np.concatenate([frames_np, imagined[0][j]])
+            prop_np = np.concatenate([prop_np, imagined[1][j]])
+        frames = torch.from_numpy(frames_np)
         if augment:
             frames = _augment(frames, rng)
         texts = [train.instructions[e] for e in step_ep[idx]]
-        out = critic.loss(frames, torch.from_numpy(train.proprio[idx]), texts,
+        out = critic.loss(frames, torch.from_numpy(prop_np), texts,
                           torch.from_numpy(prog_all[idx]), torch.from_numpy(succ_all[idx]), pos_weight=pos_weight)
         opt.zero_grad(set_to_none=True)
         out["loss"].backward()

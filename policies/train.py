@@ -54,10 +54,12 @@ def policy_device_type(policy) -> str:
     return next(policy.parameters()).device.type
 
 
-def _lr_at(step: int, c: dict) -> float:
+def _lr_at(step: int, c: dict, time_frac: float = 0.0) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio`` over the steps or, with a time budget,
+    over whichever of steps and budget runs out first (``time_frac``: elapsed / budget)."""
     if step < c["warmup_steps"]:
         return c["lr"] * (step + 1) / max(1, c["warmup_steps"])
-    prog = (step - c["warmup_steps"]) / max(1, c["steps"] - c["warmup_steps"])
+    prog = max((step - c["warmup_steps"]) / max(1, c["steps"] - c["warmup_steps"]), time_frac)
     return c["lr"] * (c["min_lr_ratio"] + (1 - c["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
 
 
@@ -198,7 +200,8 @@ def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -
     if batches is not None:
         bar = tqdm(batches, total=remaining, initial=0, desc="bc", dynamic_ncols=True)
         for batch in bar:
-            lr = _lr_at(step, c)
+            budget = float(c["time_budget_s"] or 0.0)
+            lr = _lr_at(step, c, (time.time() - t0) / budget if budget > 0 else 0.0)
             for g in opt.param_groups:
                 g["lr"] = lr
             with torch.autocast(device_type=policy_device_type(policy), dtype=torch.bfloat16, enabled=bool(c["bf16"])):

@@ -7,7 +7,8 @@ each is a ``run(cfg, ctx)`` of its entry-point module, called in process):
 1. ``collect``      noisy scripted demos of the suite tasks -> EpisodeStore (``wmrl collect``)
 2. ``bc``           behaviour cloning of the flow-matching VLA policy (``wmrl train-policy``)
 3. ``bc_rollouts``  real-sim rollouts of the BC policy from train init states -> EpisodeStore
-4. ``worldmodel`` / ``critic``  trained on demos + BC rollouts (``wmrl train-worldmodel`` / ``train-critic``)
+4. ``worldmodel`` / ``critic``  trained on demos + BC rollouts (``wmrl train-worldmodel`` / ``train-critic``;
+   the critic also on frames of this world model, ``stages.critic.imagined``)
 5. ``eval_before``  real-sim success of the BC policy on the held-out (eval) init states
 6. ``grpo``         GRPO in imagination (``wmrl post-train env=imagination``)
 7. ``eval_after``   real-sim success of the post-trained policy on the same held-out init states
@@ -373,10 +374,12 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     c = compose_stage_config("train_worldmodel", {**common, **_container(S.worldmodel), "store": str(mixed)},
                              groups=groups("worldmodel"))
     stages.run("worldmodel", c, _module_run("train_worldmodel"))
-    c = compose_stage_config("train_critic", {**common, **_container(S.critic), "store": str(mixed)},
+    wm_ckpt = out / "worldmodel" / "checkpoints" / "last"
+    critic_over = _container(S.critic) or {}
+    critic_over["imagined"] = {**(critic_over.get("imagined") or {}), "world_model": str(wm_ckpt)}
+    c = compose_stage_config("train_critic", {**common, **critic_over, "store": str(mixed)},
                              groups=groups("critic"))
     stages.run("critic", c, _module_run("train_critic"))
-    wm_ckpt = out / "worldmodel" / "checkpoints" / "last"
     critic_ckpt = out / "critic" / "checkpoints" / "last"
 
     # 5-7. real-sim evaluation before, GRPO in imagination, evaluation after

@@ -165,7 +165,12 @@ class SDESampler:
         noise_level: ``a >= 0`` in ``sigma_t = a * sqrt(t / (1 - t))`` (see the module docstring).
             Typical values 0.3-0.8 (Flow-GRPO uses 0.7 for images); ``0`` makes it deterministic,
             which has no density, so ``noise_level`` must be ``> 0``.
-        include_prior: add ``log N(chain[:, 0]; 0, I)`` (parameter-free) to the log-prob.
+        include_prior: add ``log N(chain[:, 0]; 0, init_scale^2 I)`` (parameter-free) to the log-prob
+            (left out when ``init_scale = 0``: a point mass).
+        init_scale: the chain starts from ``init_scale * N(0, I)`` (default 1: the flow's prior, the
+            SDE then has the flow's marginals). ``0`` starts from the prior mean, like the evaluation
+            sampler ``EulerODESampler(noise_scale=0)``, so the exploration comes from the transitions
+            only and the RL policy explores around the behaviour that is evaluated.
 
     ``sample`` returns the chain ``(B, K+1, H, D_a)`` and its log-prob; ``log_prob(velocity_fn, chain)``
     recomputes the log-prob of a recorded chain, differentiably in the velocity network.
@@ -173,7 +178,10 @@ class SDESampler:
 
     stochastic = True
 
-    def __init__(self, num_steps: int = 10, noise_level: float = 0.5, include_prior: bool = True):
+    def __init__(self, num_steps: int = 10, noise_level: float = 0.5, include_prior: bool = True,
+                 init_scale: float = 1.0):
+        if float(init_scale) < 0:
+            raise ValueError(f"SDESampler.init_scale must be >= 0, got {init_scale}")
         if int(num_steps) < 1:
             raise ValueError(f"SDESampler.num_steps must be >= 1, got {num_steps}")
         if not float(noise_level) > 0:
@@ -182,6 +190,7 @@ class SDESampler:
         self.num_steps = int(num_steps)
         self.noise_level = float(noise_level)
         self.include_prior = bool(include_prior)
+        self.init_scale = float(init_scale)
 
     # ------------------------------------------------------------------ the transition kernel
     def _sigmas(self, ts: torch.Tensor) -> list[float]:
@@ -206,7 +215,12 @@ class SDESampler:
     def sample(self, velocity_fn: VelocityFn, shape: tuple[int, ...], generator: torch.Generator | None = None,
                device=None, noise: torch.Tensor | None = None) -> SamplerOutput:
         """Sample a chain from ``noise`` (or fresh noise of ``shape``), all noise from ``generator``."""
-        x = _noise(shape, generator, device, torch.float32) if noise is None else noise
+        if noise is None:
+            x = _noise(shape, generator, device, torch.float32)
+            if self.init_scale != 1.0:
+                x = x * self.init_scale
+        else:
+            x = noise
         ts = time_grid(self.num_steps, device=x.device)
         sigmas = self._sigmas(ts)
         chain = [x]
@@ -242,11 +256,12 @@ class SDESampler:
             steps.append(gaussian_log_prob(chain[:, k + 1], mean, std))
         if per_step:
             return torch.stack(steps, 1).float()
-        lp = gaussian_log_prob(chain[:, 0], torch.zeros_like(chain[:, 0]), 1.0) if self.include_prior \
+        lp = gaussian_log_prob(chain[:, 0], torch.zeros_like(chain[:, 0]), self.init_scale) \
+            if self.include_prior and self.init_scale > 0 \
             else torch.zeros(chain.shape[0], device=chain.device, dtype=torch.float64)
         for step_lp in steps:
             lp = lp + step_lp
         return lp.float()
 
     def __repr__(self) -> str:
-        return f"SDESampler(num_steps={self.num_steps}, noise_level={self.noise_level})"
+        return f"SDESampler(num_steps={self.num_steps}, noise_level={self.noise_level}, init_scale={self.init_scale})"

@@ -68,6 +68,20 @@ def test_sde_per_step_log_probs_sum_to_the_chain_and_ratios_are_one():
     assert not torch.allclose(moved, steps, atol=1e-3)
 
 
+def test_sde_init_scale_zero_starts_at_the_prior_mean_with_exact_log_probs():
+    net = TinyVelocity(seed=5)
+    sampler = SDESampler(num_steps=4, noise_level=0.5, init_scale=0.0)
+    out = sampler.sample(net, (6, 2, 3), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out.chain[:, 0], torch.zeros(6, 2, 3))
+    assert torch.isfinite(out.log_prob).all()
+    lp = sampler.log_prob(net, out.chain)
+    assert torch.equal(torch.exp(lp - out.log_prob), torch.ones(6))
+    torch.testing.assert_close(lp.double(), sampler.log_prob(net, out.chain, per_step=True).double().sum(1), atol=1e-4, rtol=0)
+    assert out.x0.std() > 0.05  # the transitions still explore
+    with pytest.raises(ValueError, match="init_scale"):
+        SDESampler(init_scale=-1.0)
+
+
 def test_sde_log_prob_matches_independent_gaussian_density():
     """One-step chain, zero velocity: mean = x - h * sigma^2/(2t) * x, std = sigma sqrt(h)."""
     sampler = SDESampler(num_steps=2, noise_level=0.5)

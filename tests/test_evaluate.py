@@ -154,6 +154,30 @@ def test_wmrl_evaluate_with_worker_processes_equals_one_process(tmp_path):
     assert reps[0]["videos"] == reps[1]["videos"] and len(reps[1]["videos"]) == 2
 
 
+def test_instruction_override_replaces_the_task_text(tmp_path):
+    from wmrl.run import evaluate
+    from wmrl.run.common import RunContext
+    from wmrl.run.evaluate import InstructionOverride
+    from wmrl.types import Obs, PolicySample
+
+    seen = []
+
+    class Recorder:
+        chunk_size, action_dim = 2, 7
+
+        def sample(self, obs, generator=None):
+            seen.extend(obs.task)
+            return PolicySample(torch.zeros(obs.batch_size, 2, 7), torch.zeros(obs.batch_size))
+
+    pol = InstructionOverride(Recorder(), "lift the green cube")
+    obs = Obs({"agentview": torch.zeros(2, 3, 8, 8, dtype=torch.uint8)}, torch.zeros(2, 9), ["lift the red cube"] * 2)
+    assert pol.sample(obs).actions.shape == (2, 2, 7) and seen == ["lift the green cube"] * 2
+    assert pol.chunk_size == 2
+    cfg = _compose("evaluate", ["suite=tiny", "episodes_per_task=1", "instruction=lift the green cube"])
+    with pytest.raises(ValueError, match="expert reads no instruction"):
+        evaluate.run(cfg, RunContext(cfg, out_dir=tmp_path))
+
+
 def test_wmrl_collect_writes_episodes_and_continues(tmp_path):
     from wmrl.run import collect
     from wmrl.run.common import RunContext

@@ -2,6 +2,7 @@
 
     wmrl evaluate checkpoint=runs/bc/checkpoints/last suite=default episodes_per_task=50 batch_size=10
     wmrl evaluate checkpoint=expert noise=0.6 episodes_per_task=50
+    wmrl evaluate checkpoint=runs/bc/checkpoints/last tasks=[lift_red] instruction="lift the green cube"
 
 Writes ``report.json`` (per-task success rate with 95 % Wilson CI, mean episode length, overall),
 ``episodes.csv`` / ``episodes.json`` (task, episode, init_index, seed, success, length, reward) and
@@ -39,15 +40,36 @@ def make_actor(cfg: DictConfig, ctx: RunContext, suite):
     return policy
 
 
+class InstructionOverride:
+    """A policy that is given ``instruction`` instead of the task's own (instruction-following
+    checks: same scene and success test, other words). Forwards everything else to ``policy``."""
+
+    def __init__(self, policy, instruction: str):
+        self.policy, self.instruction = policy, str(instruction)
+        self.chunk_size, self.action_dim = policy.chunk_size, policy.action_dim
+
+    def sample(self, obs, generator=None):
+        from wmrl.types import Obs
+
+        return self.policy.sample(Obs(obs.images, obs.proprio, [self.instruction] * obs.batch_size), generator)
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+
 def build_suite(suite_cfg: dict):
     """The suite from its (resolved) config dict: picklable with ``functools.partial`` for workers."""
     return instantiate(suite_cfg)
 
 
-def build_actor(checkpoint: str, noise: float, suite_cfg: dict, device: str = "cpu", sampler_cfg: dict | None = None):
+def build_actor(checkpoint: str, noise: float, suite_cfg: dict, device: str = "cpu", sampler_cfg: dict | None = None,
+                instruction: str | None = None):
     """The scripted expert (``checkpoint="expert"``) or the policy in a checkpoint folder (in eval
-    mode, with ``sampler_cfg`` instantiated as its sampler when given), for worker processes."""
+    mode, with ``sampler_cfg`` instantiated as its sampler when given, and given ``instruction``
+    instead of the task's when set), for worker processes."""
     if checkpoint == "expert":
+        if instruction:
+            raise ValueError("instruction= applies to a policy checkpoint; the scripted expert reads no instruction")
         return build_suite(suite_cfg).make_expert(float(noise))
     from wmrl.checkpoint import load_checkpoint
 
@@ -56,7 +78,7 @@ def build_actor(checkpoint: str, noise: float, suite_cfg: dict, device: str = "c
         policy.eval()
     if sampler_cfg:
         policy.sampler = instantiate(sampler_cfg)
-    return policy
+    return InstructionOverride(policy, instruction) if instruction else policy
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
@@ -66,6 +88,11 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
     suite = instantiate(cfg.suite)
     actor = make_actor(cfg, ctx, suite)
+    instruction = cfg.get("instruction") or None
+    if instruction:
+        if str(cfg.checkpoint) == "expert":
+            raise ValueError("instruction= applies to a policy checkpoint; the scripted expert reads no instruction")
+        actor = InstructionOverride(actor, instruction)
     suite_cfg = OmegaConf.to_container(cfg.suite, resolve=True)
     ckpt = "expert" if str(cfg.checkpoint) == "expert" else str(ctx.path(cfg.checkpoint))
     report = evaluate_policy(
@@ -75,9 +102,10 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         tasks=list(cfg.tasks) if cfg.get("tasks") else None,
         per_episode_sampling=bool(cfg.per_episode_sampling), device=str(cfg.device),
         workers=int(cfg.get("workers") or 1),
-        make_actor=partial(build_actor, ckpt, float(cfg.get("noise", 0.0)), suite_cfg, str(cfg.device)),
+        make_actor=partial(build_actor, ckpt, float(cfg.get("noise", 0.0)), suite_cfg, str(cfg.device), None, instruction),
         make_suite=partial(build_suite, suite_cfg))
     report["policy"] = str(cfg.checkpoint)
+    report["instruction_override"] = instruction
     if str(cfg.checkpoint) == "expert":
         report["noise"] = float(cfg.get("noise", 0.0))
     print(format_report(report))

@@ -95,6 +95,24 @@ def test_reward_termination_truncation_and_partial_auto_reset():
     assert r3.truncated.tolist() == [True, False, False]
 
 
+def test_success_patience_needs_consecutive_success_chunks():
+    env = ImaginationEnv(CounterWorldModel(), LevelCritic(), num_envs=2, max_chunks=6, success_bonus=5.0,
+                         success_patience=2, auto_reset=False)
+    env.reset([level_start(60, "a"), level_start(60, "b")])
+    r1 = env.step(chunk([40, 40]))              # both reach 100: one success chunk is not enough
+    assert r1.success.tolist() == [False, False] and r1.terminated.tolist() == [False, False]
+    assert r1.reward.tolist() == pytest.approx([0.4, 0.4])
+    r2 = env.step(chunk([0, -40]))              # slot 0 stays up (success), slot 1 drops: streak broken
+    assert r2.success.tolist() == [True, False] and r2.terminated.tolist() == [True, False]
+    assert r2.reward.tolist() == pytest.approx([5.0, -0.4])
+    r3 = env.step(chunk([0, 40]))               # slot 1 back up: its streak restarts at 1
+    assert r3.success.tolist() == [False, False]
+    r4 = env.step(chunk([0, 0]))
+    assert r4.success.tolist() == [False, True]
+    with pytest.raises(ValueError, match="success_patience"):
+        ImaginationEnv(CounterWorldModel(), LevelCritic(), num_envs=1, success_patience=0)
+
+
 def test_without_auto_reset_finished_slots_stay_finished():
     env = ImaginationEnv(CounterWorldModel(), LevelCritic(), num_envs=2, max_chunks=5, auto_reset=False)
     env.reset([level_start(90), level_start(0)])

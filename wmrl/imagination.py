@@ -91,7 +91,11 @@ class ImaginationEnv:
             present (one forward pass), else ``progress`` and ``success_prob``.
         num_envs: ``B``.
         max_chunks: chunk limit per episode (truncation).
-        success_threshold: ``success_prob`` above which a slot counts as successful.
+        success_threshold: ``success_prob`` above which a chunk counts as a success frame.
+        success_patience: a slot succeeds (terminates, gets the bonus) once ``success_prob`` has
+            been above the threshold on this many consecutive chunks. The critic sees generated
+            frames; a single frame that looks like success (a blurred or vanished arm) is common in
+            long imagined rollouts, while a real success persists (the cube stays up).
         success_bonus, progress_scale: reward weights.
         auto_reset: see module docstring. next_start: ``slot -> Start`` for auto-resets.
         seed: seed of the ``torch.Generator`` for stochastic world models (``None``: unseeded).
@@ -99,7 +103,7 @@ class ImaginationEnv:
 
     def __init__(self, world_model: WorldModel, critic: ProgressCritic, num_envs: int, max_chunks: int = 10,
                  success_threshold: float = 0.5, success_bonus: float = 1.0, progress_scale: float = 1.0,
-                 auto_reset: bool = True, next_start: Callable[[int], Start] | None = None,
+                 auto_reset: bool = True, success_patience: int = 1, next_start: Callable[[int], Start] | None = None,
                  seed: int | None = 0, action_dim: int | None = None):
         if int(num_envs) < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
@@ -112,6 +116,10 @@ class ImaginationEnv:
         self.chunk_size = getattr(world_model, "chunk_size", None)
         self.max_chunks = int(max_chunks)
         self.success_threshold = float(success_threshold)
+        if int(success_patience) < 1:
+            raise ValueError(f"success_patience must be >= 1, got {success_patience}")
+        self.success_patience = int(success_patience)
+        self._streak = np.zeros(self.num_envs, dtype=np.int64)
         self.success_bonus = float(success_bonus)
         self.progress_scale = float(progress_scale)
         self.auto_reset = bool(auto_reset)
@@ -149,6 +157,7 @@ class ImaginationEnv:
         for b, s in zip(slots, starts):
             self._starts[b] = s
             self._chunks[b] = 0
+            self._streak[b] = 0
             self._finished[b] = False
         self._obs = obs
         self._state = self.world_model.init(obs)
@@ -199,7 +208,9 @@ class ImaginationEnv:
         state, pred = self.world_model.imagine(self._state, a, generator=self.generator)
         pred = Obs({k: v.cpu() for k, v in pred.images.items()}, pred.proprio.float().cpu(), list(self._obs.task))
         prog, sprob = self._score(pred)
-        succ = (sprob > self.success_threshold) & running
+        above = (sprob > self.success_threshold) & running
+        self._streak = np.where(above.numpy(), self._streak + 1, 0)
+        succ = torch.from_numpy(self._streak >= self.success_patience) & running
         # finished slots keep their last observation and get nothing
         keep = torch.from_numpy(was_finished)
         if keep.any():

@@ -46,7 +46,8 @@ def _policy_check(cfg: DictConfig, wm, critic, ctx: RunContext) -> dict:
         real = grpo.evaluate_success(sim_env, policy, starts, int(pc.max_chunks), seed=int(cfg.seed), progress=True)
         ctx_starts = ContextStarts(lambda _i: starts, suite.make_env(int(pc.num_envs))).contextualize(starts)
         imag_env = ImaginationEnv(wm, critic, num_envs=int(pc.num_envs), max_chunks=int(pc.max_chunks),
-                                  success_threshold=float(pc.success_threshold), seed=int(cfg.seed))
+                                  success_threshold=float(pc.success_threshold),
+                                  success_patience=int(pc.get("success_patience", 1)), seed=int(cfg.seed))
         imag = grpo.evaluate_success(imag_env, policy, ctx_starts, int(pc.max_chunks), seed=int(cfg.seed), progress=True)
     agree = float(np.mean([a["success"] == b["success"] for a, b in zip(real["episodes"], imag["episodes"])]))
     return {"real_success": real["success"], "real_ci95": real["ci95"], "imagined_success": imag["success"],

@@ -160,6 +160,28 @@ def test_keyframe_starts_from_store(tmp_path):
         assert s.instruction == ep.instruction
 
 
+def test_keyframe_start_provider_per_task_and_reproducible(tmp_path):
+    from wmrl.run.post_train import KeyframeStarts, MixedStarts
+    from wmrl.storage import EpisodeStore
+
+    store = EpisodeStore.create(tmp_path / "s", cameras={"agentview": (32, 32), "robot0_eye_in_hand": (32, 32)},
+                                state_dim=9, action_dim=7, fps=20, action_space=PANDA_OSC_POSE, embodiment="toy",
+                                source="synthetic")
+    for e in make_episodes(4, length=20, size=32, seed=6):
+        store.append(e)
+    names = store.task_names
+    tasks = {t: t for t in sorted(set(names))}
+    ks = KeyframeStarts(tmp_path / "s", tasks, per_task=3, seed=1)
+    a, b, c = ks(0), ks(0), ks(1)
+    assert len(a) == 3 * len(tasks)
+    assert [(s.episode, s.step) for s in a] == [(s.episode, s.step) for s in b]
+    assert [(s.episode, s.step) for s in a] != [(s.episode, s.step) for s in c]
+    assert all(names[s.episode] == s.task_name and s.context is not None for s in a)
+    assert len(MixedStarts(ks, None, ks)(0)) == 2 * len(a)
+    with pytest.raises(ValueError, match="no episodes of tasks"):
+        KeyframeStarts(tmp_path / "s", {"missing_task": "x"}, per_task=1)
+
+
 def test_with_learned_models_runs_grpo_rollouts(tmp_path):
     """The real world model + critic (untrained, tiny) drive wmrl.grpo.rollout_batch."""
     from wmrl.grpo import rollout_batch

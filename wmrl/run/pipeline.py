@@ -389,6 +389,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     gcfg = compose_stage_config(
         "post_train",
         {**common, **_container(S.grpo), "checkpoint": str(bc_ckpt), "tasks": task_list, "suite": suite_cfg,
+         "starts": {**(_container(S.grpo.get("starts", {})) or {}), "store": str(mixed)},   # keyframes: demos + rollouts
          "env": {**_container(S.grpo.get("env", {}) or {}), "world_model": str(wm_ckpt), "critic": str(critic_ckpt)}},
         groups=["env=imagination"] + groups("grpo"))
     grep = stages.run("grpo", gcfg, _module_run("post_train"))

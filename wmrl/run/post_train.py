@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import hydra
+import numpy as np
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -101,6 +102,42 @@ class ContextStarts:
 
     def __call__(self, iteration: int) -> list[Start]:
         return self.contextualize(self.inner(iteration))
+
+
+class KeyframeStarts:
+    """Keyframe starts (``wmrl.imagination.starts_from_store``): ``per_task`` (episode, step) pairs of
+    each task's stored episodes per iteration, drawn reproducibly from ``iteration`` and ``seed``,
+    with the real frame of that step as context. Imagined rollouts then begin mid-task and stay
+    short (WoVR / World-Gymnast keyframe-initialised rollouts)."""
+
+    def __init__(self, store_path, tasks: dict, per_task: int, seed: int = 0, min_steps_left: int = 8):
+        from wmrl.storage import EpisodeStore
+
+        self.store = EpisodeStore.open(store_path, mode="r")
+        names = self.store.task_names
+        self.by_task = {t: [i for i, n in enumerate(names) if n == t] for t in tasks}
+        missing = [t for t, eps in self.by_task.items() if not eps]
+        if missing:
+            raise ValueError(f"keyframe store {store_path} has no episodes of tasks {missing}")
+        self.per_task, self.seed, self.min_steps_left = int(per_task), int(seed), int(min_steps_left)
+
+    def __call__(self, iteration: int) -> list[Start]:
+        from wmrl.imagination import starts_from_store
+
+        rng = np.random.default_rng([self.seed, 11, int(iteration)])
+        return [s for t, eps in self.by_task.items()
+                for s in starts_from_store(self.store, self.per_task, rng, episodes=eps,
+                                           min_steps_left=self.min_steps_left)]
+
+
+class MixedStarts:
+    """Concatenates the starts of several providers (e.g. init states and keyframes)."""
+
+    def __init__(self, *providers):
+        self.providers = [p for p in providers if p is not None]
+
+    def __call__(self, iteration: int) -> list[Start]:
+        return [s for p in self.providers for s in p(iteration)]
 
 
 @contextmanager
@@ -211,6 +248,11 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         ctx_env = instantiate(cfg.env.context_env) if cfg.env.get("context_env") else \
             make_sim_env(int(cfg.env.get("context_num_envs", 4)), suite=suite)
         starts_fn = ContextStarts(starts_fn, ctx_env)
+        if cfg.starts.get("store") and int(cfg.starts.get("keyframes_per_task") or 0) > 0:
+            starts_fn = MixedStarts(starts_fn, KeyframeStarts(ctx.path(cfg.starts.store), tasks,
+                                                              int(cfg.starts.keyframes_per_task), seed=int(cfg.seed)))
+    elif cfg.starts.get("store") and int(cfg.starts.get("keyframes_per_task") or 0) > 0:
+        raise ValueError("starts.store (keyframe starts) needs env=imagination: the sim starts from init states")
 
     # real-sim evaluation on held-out init states
     ev = cfg.evaluation

@@ -188,12 +188,17 @@ def _run_queue(actor, suite, queue: list[tuple[str, int]], B: int, seed: int, ou
     return rows
 
 
+def _as_actor(policy_or_actor, per_episode_sampling: bool, device):
+    """An actor as is; a ``Policy`` wrapped in :class:`PolicyActor`."""
+    if hasattr(policy_or_actor, "begin"):
+        return policy_or_actor
+    return PolicyActor(policy_or_actor, per_episode_sampling=per_episode_sampling, device=device)
+
+
 def _worker(make_actor, make_suite, queue, B, seed, out, videos_per_task, video_camera, video_size, fps,
             per_episode_sampling, device, position) -> list[dict]:
     torch.set_num_threads(1)
-    actor = make_actor()
-    if not hasattr(actor, "begin"):
-        actor = PolicyActor(actor, per_episode_sampling=per_episode_sampling, device=device)
+    actor = _as_actor(make_actor(), per_episode_sampling, device)
     rows = _run_queue(actor, make_suite(), queue, min(B, len(queue)), seed, out, videos_per_task, video_camera,
                       video_size, fps, True, desc=f"evaluate[{position}]", position=position)
     return list(rows.values())
@@ -270,8 +275,7 @@ def evaluate_policy(policy_or_actor, suite, episodes_per_task: int = 50, batch_s
                              videos_per_task, video_camera, video_size, fps, per_episode_sampling, device)
         B = min(int(batch_size), len(queue))
     else:
-        actor = policy_or_actor if hasattr(policy_or_actor, "begin") else PolicyActor(
-            policy_or_actor, per_episode_sampling=per_episode_sampling, device=device)
+        actor = _as_actor(policy_or_actor, per_episode_sampling, device)
         B = min(int(batch_size), len(queue))
         rows = _run_queue(actor, suite, queue, B, seed, out, videos_per_task, video_camera, video_size, fps,
                           progress)

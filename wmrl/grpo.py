@@ -452,14 +452,12 @@ def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Transit
         for i in range(0, m, cfg.minibatch_size):
             idx = perm[i:i + cfg.minibatch_size]
             mb = batch.index(idx)
-            new_lp = policy.log_prob(mb.obs, mb.samples, per_step=True) if per_step \
-                else policy.log_prob(mb.obs, mb.samples)
+            new_lp = policy.log_prob(mb.obs, mb.samples, per_step=per_step)
             loss, st = clipped_surrogate_loss(new_lp, old_all[idx], mb.advantages, clip_eps=cfg.clip_eps,
                                               weights=mb.weights)
             if cfg.kl_coef > 0 and ref_policy is not None:
                 with torch.no_grad():
-                    ref_lp = ref_policy.log_prob(mb.obs, mb.samples, per_step=True) if per_step \
-                        else ref_policy.log_prob(mb.obs, mb.samples)
+                    ref_lp = ref_policy.log_prob(mb.obs, mb.samples, per_step=per_step)
                 kl = kl_to_reference(new_lp, ref_lp)
                 loss = loss + cfg.kl_coef * kl
                 st["kl_ref"] = float(kl.detach())

@@ -326,18 +326,13 @@ def imagined_frame_bank(world_model: ChunkFlowWorldModel, data: EpisodeFrames, s
         g0 = data.offsets[ep[sel]] + t[sel] - k[sel] * H
         state = WMState(to_unit(torch.from_numpy(data.images[g0]).to(dev)), torch.from_numpy(data.proprio[g0]).to(dev),
                         [data.instructions[e] for e in ep[sel]])
-        frames, prop = state.frames.clone(), state.proprio.clone()
         for c in range(kk):
-            live = torch.from_numpy(k[sel] > c)
-            if not bool(live.any()):
-                break
+            live = torch.from_numpy(k[sel] > c)   # slots still to roll; the others keep their frame
             a_idx = g0[live.numpy()][:, None] + c * H + np.arange(H)[None]
-            sub = state.index(live)
-            sub, _ = world_model.imagine(sub, torch.from_numpy(data.actions[a_idx]).to(dev))
-            frames[live], prop[live] = sub.frames, sub.proprio
-            state = WMState(frames.clone(), prop.clone(), state.task)
-        images[sel] = to_uint8(frames).cpu().numpy()
-        proprio[sel] = prop.float().cpu().numpy()
+            sub, _ = world_model.imagine(state.index(live), torch.from_numpy(data.actions[a_idx]).to(dev))
+            state.frames[live], state.proprio[live] = sub.frames, sub.proprio
+        images[sel] = to_uint8(state.frames).cpu().numpy()
+        proprio[sel] = state.proprio.float().cpu().numpy()
         bar.update(len(sel))
     bar.close()
     return images, proprio, data.offsets[ep] + t

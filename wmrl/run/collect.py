@@ -24,14 +24,16 @@ from wmrl.run.common import RunContext, run_main
 log = logging.getLogger("wmrl.collect")
 
 
-def _collect_tasks(suite_cfg: dict, tasks: list[str], n: int, noise: float, seed: int, out: str,
+def _collect_tasks(suite, tasks: list[str], n: int, noise: float, seed: int, out: str,
                    have: dict[str, int], total: int, position: int = 0) -> dict:
     """Collect the missing episodes of ``tasks`` (in order) into the store at ``out``; returns
-    per-task ``{episodes, successes, steps}``. Runs in the main process or in a worker."""
+    per-task ``{episodes, successes, steps}``. Runs in the main process (``suite`` a Suite) or in a
+    worker (``suite`` its resolved config dict)."""
     from sim.collect import collect_episodes
     from wmrl.storage import EpisodeStore
 
-    suite = instantiate(suite_cfg)
+    if isinstance(suite, dict):
+        suite = instantiate(suite)
     store = EpisodeStore.open(out, mode="a")
     stats = {t: {"episodes": 0, "successes": 0, "steps": 0} for t in tasks}
     bar = tqdm(total=total, desc="collect" if not position else f"collect[{position}]", unit="ep",
@@ -57,12 +59,13 @@ def _collect_parallel(cfg: DictConfig, suite, tasks: list[str], n: int, noise: f
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
+    work = {t: max(0, n - have[t]) * suite.task(t).max_steps for t in tasks}
     load = [0.0] * workers
     groups: list[list[str]] = [[] for _ in range(workers)]
-    for t in sorted(tasks, key=lambda t: -max(0, n - have[t]) * suite.task(t).max_steps):
+    for t in sorted(tasks, key=lambda t: -work[t]):
         k = int(np.argmin(load))
         groups[k].append(t)
-        load[k] += max(0, n - have[t]) * suite.task(t).max_steps
+        load[k] += work[t]
     suite_cfg = OmegaConf.to_container(cfg.suite, resolve=True)
     stats: dict = {}
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
@@ -98,8 +101,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     if workers > 1:
         stats = _collect_parallel(cfg, suite, tasks, n, noise, out, have, total, workers)
     else:
-        stats = _collect_tasks(OmegaConf.to_container(cfg.suite, resolve=True), tasks, n, noise, int(cfg.seed),
-                               str(out), have, total)
+        stats = _collect_tasks(suite, tasks, n, noise, int(cfg.seed), str(out), have, total)
     store = EpisodeStore.open(out, mode="r")
     for t, s in stats.items():
         s["success_rate"] = s["successes"] / s["episodes"] if s["episodes"] else None

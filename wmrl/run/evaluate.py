@@ -24,22 +24,6 @@ from wmrl.run.common import RunContext, run_main
 log = logging.getLogger("wmrl.evaluate")
 
 
-def make_actor(cfg: DictConfig, ctx: RunContext, suite):
-    """The scripted expert (``checkpoint=expert``) or a policy loaded from a checkpoint folder."""
-    if str(cfg.checkpoint) == "expert":
-        return suite.make_expert(float(cfg.get("noise", 0.0)))
-    from wmrl.checkpoint import load_checkpoint
-
-    path = ctx.path(cfg.checkpoint)
-    if not path.is_dir():
-        raise ValueError(f"checkpoint={cfg.checkpoint!r}: no checkpoint folder at {path}; give a checkpoint folder "
-                         "(with config.yaml and model.safetensors) or checkpoint=expert")
-    policy = load_checkpoint(path, map_location=str(cfg.device))
-    if hasattr(policy, "eval"):
-        policy.eval()
-    return policy
-
-
 class InstructionOverride:
     """A policy that is given ``instruction`` instead of the task's own (instruction-following
     checks: same scene and success test, other words). Forwards everything else to ``policy``."""
@@ -87,14 +71,14 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from omegaconf import OmegaConf
 
     suite = instantiate(cfg.suite)
-    actor = make_actor(cfg, ctx, suite)
-    instruction = cfg.get("instruction") or None
-    if instruction:
-        if str(cfg.checkpoint) == "expert":
-            raise ValueError("instruction= applies to a policy checkpoint; the scripted expert reads no instruction")
-        actor = InstructionOverride(actor, instruction)
     suite_cfg = OmegaConf.to_container(cfg.suite, resolve=True)
     ckpt = "expert" if str(cfg.checkpoint) == "expert" else str(ctx.path(cfg.checkpoint))
+    if ckpt != "expert" and not ctx.path(ckpt).is_dir():
+        raise ValueError(f"checkpoint={cfg.checkpoint!r}: no checkpoint folder at {ckpt}; give a checkpoint folder "
+                         "(with config.yaml and model.safetensors) or checkpoint=expert")
+    instruction = cfg.get("instruction") or None
+    make_actor = partial(build_actor, ckpt, float(cfg.get("noise", 0.0)), suite_cfg, str(cfg.device), None, instruction)
+    actor = make_actor()
     report = evaluate_policy(
         actor, suite, episodes_per_task=int(cfg.episodes_per_task), batch_size=int(cfg.batch_size),
         seed=int(cfg.seed), out_dir=ctx.out_dir, videos_per_task=int(cfg.videos_per_task),
@@ -102,8 +86,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         tasks=list(cfg.tasks) if cfg.get("tasks") else None,
         per_episode_sampling=bool(cfg.per_episode_sampling), device=str(cfg.device),
         workers=int(cfg.get("workers") or 1),
-        make_actor=partial(build_actor, ckpt, float(cfg.get("noise", 0.0)), suite_cfg, str(cfg.device), None, instruction),
-        make_suite=partial(build_suite, suite_cfg))
+        make_actor=make_actor, make_suite=partial(build_suite, suite_cfg))
     report["policy"] = str(cfg.checkpoint)
     report["instruction_override"] = instruction
     if str(cfg.checkpoint) == "expert":

@@ -281,23 +281,18 @@ def apply_preset(cfg: DictConfig) -> DictConfig:
 
 
 def _eval_policy(policy_path: Path, cfg: DictConfig, tasks: dict, suite, out_dir: Path | None, videos: int) -> dict:
-    from wmrl.run.post_train import evaluate_real, load_policy, using_sampler
-
-    policy, _ = load_policy(policy_path, cfg.device)
-    policy.eval()
-    sampler = hydra.utils.instantiate(cfg.eval_sampler) if cfg.get("eval_sampler") else None
     from functools import partial
 
     from wmrl.run.evaluate import build_actor, build_suite
+    from wmrl.run.post_train import evaluate_real
 
     suite_cfg = _container(cfg.suite)
     sampler_cfg = _container(cfg.eval_sampler) if cfg.get("eval_sampler") else None
-    with using_sampler(policy, sampler):
-        r = evaluate_real(policy, tasks, int(cfg.evaluation.episodes_per_task), int(cfg.evaluation.num_envs),
-                          int(cfg.seed), suite=suite, out_dir=out_dir, videos_per_task=videos, progress=True,
-                          workers=int(cfg.evaluation.get("workers") or 1),
-                          make_actor=partial(build_actor, str(policy_path), 0.0, suite_cfg, str(cfg.device), sampler_cfg),
-                          make_suite=partial(build_suite, suite_cfg))
+    make_actor = partial(build_actor, str(policy_path), 0.0, suite_cfg, str(cfg.device), sampler_cfg)
+    r = evaluate_real(make_actor(), tasks, int(cfg.evaluation.episodes_per_task), int(cfg.evaluation.num_envs),
+                      int(cfg.seed), suite=suite, out_dir=out_dir, videos_per_task=videos, progress=True,
+                      workers=int(cfg.evaluation.get("workers") or 1), make_actor=make_actor,
+                      make_suite=partial(build_suite, suite_cfg))
     r["policy"] = str(policy_path)
     return r
 

@@ -244,14 +244,15 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     n_init = cfg.starts.get("n_init") or min(suite.num_init_states(t, "train") for t in tasks)
     starts_fn = grpo.InitStateStarts(tasks, n_init=int(n_init), per_task=cfg.starts.per_task, split="train",
                                      seed=cfg.seed)
+    keyframes = int(cfg.starts.get("keyframes_per_task") or 0) if cfg.starts.get("store") else 0
     if str(cfg.env.name) == "imagination":
         ctx_env = instantiate(cfg.env.context_env) if cfg.env.get("context_env") else \
             make_sim_env(int(cfg.env.get("context_num_envs", 4)), suite=suite)
         starts_fn = ContextStarts(starts_fn, ctx_env)
-        if cfg.starts.get("store") and int(cfg.starts.get("keyframes_per_task") or 0) > 0:
-            starts_fn = MixedStarts(starts_fn, KeyframeStarts(ctx.path(cfg.starts.store), tasks,
-                                                              int(cfg.starts.keyframes_per_task), seed=int(cfg.seed)))
-    elif cfg.starts.get("store") and int(cfg.starts.get("keyframes_per_task") or 0) > 0:
+        if keyframes > 0:
+            starts_fn = MixedStarts(starts_fn, KeyframeStarts(ctx.path(cfg.starts.store), tasks, keyframes,
+                                                              seed=int(cfg.seed)))
+    elif keyframes > 0:
         raise ValueError("starts.store (keyframe starts) needs env=imagination: the sim starts from init states")
 
     # real-sim evaluation on held-out init states

@@ -28,6 +28,10 @@ def test_pipeline_debug_preset_end_to_end(tmp_path):
         assert open(p, "rb").read(4) == b"\x89PNG"
     assert len(rep["videos"]) == 4 and all(v.endswith(".mp4") for v in rep["videos"])
     assert (tmp_path / "grpo" / "checkpoints" / "last" / "model.safetensors").is_file()
+    # the debug preset refreshes the world model once (after GRPO iteration 1 of 2) on real rollouts
+    rounds = rep["grpo"]["refresh"]["rounds"]
+    assert [r["iteration"] for r in rounds] == [1] and rounds[0]["refresh/episodes"] == 2
+    assert (tmp_path / "grpo" / "refresh" / "round_0001" / "rollouts.zarr").is_dir()
     json.dumps(rep)
     # resume: every stage is reused, the report is the same
     rep2 = pipeline.run(cfg, RunContext(cfg, out_dir=tmp_path))

@@ -721,6 +721,7 @@ def train_grpo(policy: Policy, policy_config: dict, env: ChunkEnv, optimizer: to
                debiaser: OnlineDebiaser | None = None,
                real_rollout_fn: Callable[[list[Start]], tuple[torch.Tensor, torch.Tensor]] | None = None,
                debias_starts: int = 0, debias_every: int = 1, replay_envs: Sequence[ChunkEnv] = (),
+               refresh_fn: Callable[[Policy, int], dict] | None = None, refresh_every: int = 0,
                writer=None, progress: bool = True) -> dict:
     """GRPO post-training: ``iterations`` times :func:`grpo_iteration` on ``starts_fn(iteration)``.
 
@@ -729,6 +730,10 @@ def train_grpo(policy: Policy, policy_config: dict, env: ChunkEnv, optimizer: to
     from ``last`` and reproduces the run that was not interrupted. ``evaluate_fn(policy, n)`` (real-sim
     evaluation on held-out init states, returning at least ``{"success": float}``) runs before the
     first iteration, every ``eval_every`` iterations and after the last one.
+    ``refresh_fn(policy, n)`` (world model in the loop, e.g. :class:`wmrl.refresh.WorldModelRefresher`)
+    runs after iteration ``n`` whenever ``n % refresh_every == 0`` and ``n < iterations``, before the
+    checkpoint of ``n`` is written; its returned scalars join that iteration's history entry. It
+    must restore its own state on resume (the refresher reloads its last round).
 
     Returns ``{"history": [per-iteration stats], "evals": [{"iteration", ...}], "iterations",
     "checkpoint", "resumed_from"}``.
@@ -798,6 +803,12 @@ def train_grpo(policy: Policy, policy_config: dict, env: ChunkEnv, optimizer: to
                     writer.add_scalar(f"grpo/{k}", v, it + 1)
         if progress:
             its.set_postfix(reward=f"{st['reward_mean']:.3f}", succ=f"{st['success_rate']:.2f}")  # type: ignore[union-attr]
+        if refresh_fn is not None and refresh_every > 0 and (it + 1) % refresh_every == 0 and it + 1 < iterations:
+            st.update(refresh_fn(policy, it + 1))
+            if writer is not None:
+                for k, v in st.items():
+                    if k.startswith("refresh/"):
+                        writer.add_scalar(k, v, it + 1)
         if eval_every and (it + 1) % eval_every == 0:
             _eval(it + 1)
         if it + 1 == iterations:

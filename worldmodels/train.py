@@ -191,11 +191,13 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
                       max_minutes: float | None = None, log_every: int = 25, eval_every: int = 250,
                       checkpoint_every: int = 250, video_chunks: int = 8, resume: bool = True,
                       tensorboard: bool = True, progress: bool = True, seed: int = 0,
-                      p_deterministic: float = 0.25, p_pure_noise: float = 0.25, budget_clock: str = "wall") -> dict:
+                      p_deterministic: float = 0.25, p_pure_noise: float = 0.25, budget_clock: str = "wall",
+                      fit_stats: bool = True) -> dict:
     """Train ``model`` on chunk windows of ``train``; returns a report dict.
 
     ``model_config`` is the model's constructor arguments (saved in the checkpoint). Stats are fitted
-    from ``train`` unless resuming. ``max_minutes`` bounds wall-clock time (checkpoint at the end).
+    from ``train`` unless resuming or ``fit_stats=False`` (fine-tuning a trained model keeps its
+    normalisation). ``max_minutes`` bounds wall-clock time (checkpoint at the end).
     """
     out_dir = Path(out_dir)
     H = model.chunk_size
@@ -207,7 +209,8 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
     if resumed is not None:
         model, opt, step, rng = resumed
     else:
-        fit_world_model_stats(model, train)
+        if fit_stats:
+            fit_world_model_stats(model, train)
         opt, step, rng = make_opt(model), 0, np.random.default_rng(seed)
     start_step = step
     gen = torch.Generator().manual_seed(seed + step)
@@ -345,7 +348,7 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
                  checkpoint_every: int = 250, resume: bool = True, tensorboard: bool = True,
                  progress: bool = True, seed: int = 0, augment: bool = True, budget_clock: str = "wall",
                  imagined: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-                 imagined_fraction: float = 0.0) -> dict:
+                 imagined_fraction: float = 0.0, fit_stats: bool = True) -> dict:
     """Train the progress-value critic on every frame of ``train`` (targets from
     :meth:`EpisodeFrames.frame_labels`); returns a report dict (held-out AUROC when given).
 
@@ -366,7 +369,7 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
     if resumed is not None:
         critic, opt, step, rng = resumed
     else:
-        if critic.use_proprio:
+        if critic.use_proprio and fit_stats:
             critic.set_norm_stats(torch.from_numpy(train.proprio))
         opt, step, rng = make_opt(critic), 0, np.random.default_rng(seed)
     start_step = step

@@ -25,11 +25,12 @@ log = logging.getLogger("wmrl.bench_grpo")
 def time_to_success(history: list[dict], evals: list[dict], target: float) -> tuple[float | None, int | None]:
     """Training seconds (sum of ``history[i]["wall_s"]``) up to the first evaluation whose real-sim
     success is ``>= target``; ``(None, None)`` when never reached. Evaluation at iteration 0 counts as
-    0 s."""
+    0 s. World-model refresh rounds (``refresh/wall_s``: real rollouts and fine-tuning) count as
+    training time."""
     for e in sorted(evals, key=lambda e: e["iteration"]):
         if e["success"] >= target - 1e-9:
             n = int(e["iteration"])
-            return float(sum(h["wall_s"] for h in history if h["iteration"] <= n)), n
+            return float(sum(h["wall_s"] + h.get("refresh/wall_s", 0.0) for h in history if h["iteration"] <= n)), n
     return None, None
 
 
@@ -45,8 +46,9 @@ def compare(runs: dict[str, dict], target: float | None = None) -> dict[str, Any
     out: dict[str, Any] = {"target_success": target, "best_success": best, "start_success": start}
     for k, r in runs.items():
         t, n = (None, None) if target is None else time_to_success(r["history"], r["evals"], target)
-        out[k] = {"time_s": t, "iteration": n, "s_per_iteration": float(sum(h["wall_s"] for h in r["history"])
-                                                                        / max(1, len(r["history"])))}
+        out[k] = {"time_s": t, "iteration": n,
+                  "s_per_iteration": float(sum(h["wall_s"] + h.get("refresh/wall_s", 0.0) for h in r["history"])
+                                           / max(1, len(r["history"])))}
     ti, ts = out.get("imagination", {}).get("time_s"), out.get("sim", {}).get("time_s")
     out["ratio_sim_over_imagination"] = (ts / ti) if (ti and ts) else None
     out["iteration_time_ratio"] = (out["sim"]["s_per_iteration"] / out["imagination"]["s_per_iteration"]

@@ -32,8 +32,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from wmrl.refresh import record_episodes
 from wmrl.run.common import RunContext, run_main
-from wmrl.types import Episode, Start
+from wmrl.types import Start
 
 log = logging.getLogger("wmrl.pipeline")
 
@@ -113,66 +114,6 @@ def _module_run(module: str):
 
 
 @torch.no_grad()
-def record_episodes(env, policy, starts: list[Start], max_steps: int, generator: torch.Generator | None = None,
-                    source: str = "policy_rollout", progress: bool = False) -> list[Episode]:
-    """Run ``policy`` from every start once and return the whole episodes (every control step).
-
-    Each sampled chunk ``(B, H, D_a)`` is executed one step at a time (``env.step`` with ``H = 1``)
-    so that every step's observation is recorded, exactly as a scripted demo is. An episode ends at
-    termination, truncation or ``max_steps``. ``env`` must not auto-reset in a way that hides the
-    boundary (``StepResult.done`` marks it). Returns ``Episode`` objects (``sim_states`` when the
-    env exposes ``sim_state(slot)``), in the order of ``starts``.
-    """
-    b = env.num_envs
-    out: list[Episode] = []
-    batches = range(0, len(starts), b)
-    if progress:
-        from tqdm import tqdm
-
-        batches = tqdm(batches, desc="bc rollouts", leave=False)
-    for i in batches:
-        real = list(starts[i:i + b])
-        batch = real + [real[-1]] * (b - len(real))
-        obs = env.reset(batch)
-        n = len(real)
-        buf = [{"images": {k: [] for k in obs.images}, "proprio": [], "actions": [], "rewards": [], "states": []}
-               for _ in range(n)]
-        alive = np.zeros(b, bool)
-        alive[:n] = True
-        success = np.zeros(b, bool)
-        t = 0
-        has_state = hasattr(env, "sim_state")
-        while alive.any() and t < max_steps:
-            chunk = policy.sample(obs, generator=generator).actions
-            for h in range(chunk.shape[1]):
-                if not alive.any() or t >= max_steps:
-                    break
-                for j in np.flatnonzero(alive[:n]):
-                    for k, v in obs.images.items():
-                        buf[j]["images"][k].append(v[j].cpu().numpy())
-                    buf[j]["proprio"].append(obs.proprio[j].cpu().numpy())
-                    buf[j]["actions"].append(chunk[j, h].cpu().numpy())
-                    if has_state:
-                        buf[j]["states"].append(np.asarray(env.sim_state(int(j))))
-                res = env.step(chunk[:, h:h + 1])
-                for j in np.flatnonzero(alive[:n]):
-                    buf[j]["rewards"].append(float(res.reward[j]))
-                    if bool(res.success[j]):
-                        success[j] = True
-                alive &= ~res.done.cpu().numpy().astype(bool)
-                obs = res.obs
-                t += 1
-        for j, s in enumerate(real):
-            d = buf[j]
-            out.append(Episode(
-                images={k: np.stack(v).astype(np.uint8) for k, v in d["images"].items()},
-                proprio=np.stack(d["proprio"]).astype(np.float32), actions=np.stack(d["actions"]).astype(np.float32),
-                rewards=np.asarray(d["rewards"], np.float32), success=bool(success[j]), instruction=s.instruction,
-                task_name=s.task_name, sim_states=np.stack(d["states"]) if d["states"] else None,
-                info={"source": source, "init_index": s.init_index, "split": s.split}))
-    return out
-
-
 def merge_stores(sources: list[Path], dest: Path, source: str = "pipeline") -> dict:
     """Copy every episode of ``sources`` (EpisodeStores with the same cameras/dims) into a new store."""
     from wmrl.storage import EpisodeStore
@@ -223,7 +164,8 @@ def plot_before_after(before: dict, after: dict, path: Path, title: str = "") ->
 
 
 def plot_imagined_vs_real(history: list[dict], evals: list[dict], path: Path) -> Path:
-    """Imagined success per GRPO iteration against periodic real-sim success."""
+    """Imagined success per GRPO iteration against periodic real-sim success (and, with a world model
+    in the loop, the real success of each refresh's rollouts)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,6 +181,10 @@ def plot_imagined_vs_real(history: list[dict], evals: list[dict], path: Path) ->
         lo = [e["success"] - e["ci95"][0] for e in evals]
         hi = [e["ci95"][1] - e["success"] for e in evals]
         ax.errorbar(it, s, yerr=[lo, hi], fmt="-s", capsize=3, label="real-sim success (held-out)")
+    refresh = [h for h in history if "refresh/real_success" in h]
+    if refresh:
+        ax.plot([h["iteration"] for h in refresh], [h["refresh/real_success"] for h in refresh], "^", ms=6,
+                label="real-sim success of the refresh rollouts (train init states, RL sampler)")
     ax.set_xlabel("GRPO iteration")
     ax.set_ylabel("success")
     ax.set_ylim(0, 1.05)
@@ -385,6 +331,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         "post_train",
         {**common, **_container(S.grpo), "checkpoint": str(bc_ckpt), "tasks": task_list, "suite": suite_cfg,
          "starts": {**(_container(S.grpo.get("starts", {})) or {}), "store": str(mixed)},   # keyframes: demos + rollouts
+         "refresh": {**(_container(S.grpo.get("refresh", {})) or {}), "store": str(mixed)},  # replay: the world model's data
          "env": {**_container(S.grpo.get("env", {}) or {}), "world_model": str(wm_ckpt), "critic": str(critic_ckpt)}},
         groups=["env=imagination"] + groups("grpo"))
     grep = stages.run("grpo", gcfg, _module_run("post_train"))
@@ -414,6 +361,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         "success_gain": after["success"] - before["success"],
         "per_task": per_task,
         "grpo": {"iterations": grep.get("iterations"), "mitigations": grep.get("mitigations"),
+                 "refresh": grep.get("refresh"),
                  "imagined_success_first": (grep.get("history") or [{}])[0].get("success_rate"),
                  "imagined_success_last": (grep.get("history") or [{}])[-1].get("success_rate")},
         "checkpoints": {"bc": str(bc_ckpt), "worldmodel": str(wm_ckpt), "critic": str(critic_ckpt),

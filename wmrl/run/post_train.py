@@ -220,6 +220,39 @@ def _maybe(cfg: DictConfig | None, key: str, default=None):
     return default if cfg is None else cfg.get(key, default)
 
 
+def _maybe_refresher(cfg: DictConfig, ctx: RunContext, env, suite, tasks: dict, n_init: int, replay_envs):
+    """The world-model-in-the-loop refresher (``cfg.refresh``, :class:`wmrl.refresh.WorldModelRefresher`)
+    or ``None`` when ``refresh.every`` is 0. On resume it reloads its last completed round."""
+    rc = cfg.get("refresh")
+    if rc is None or int(rc.get("every", 0) or 0) <= 0:
+        return None
+    if str(cfg.env.name) != "imagination":
+        raise ValueError("refresh.every > 0 refines the world model: it needs env=imagination")
+    if suite is None:
+        raise ValueError("refresh.every > 0 needs a suite (the real sim the policy is rolled out in)")
+    if rc.get("store") in (None, "", "???"):
+        raise ValueError("refresh.every > 0 needs refresh.store=PATH: the world model's training EpisodeStore "
+                         "(replay data against forgetting)")
+    from wmrl.checkpoint import read_checkpoint_config
+    from wmrl.refresh import WorldModelRefresher
+
+    wm, cr = rc.worldmodel, rc.critic
+    r = WorldModelRefresher(
+        env, make_sim_env(int(rc.num_envs), suite=suite), tasks, ctx.out_dir / "refresh", ctx.path(rc.store),
+        read_checkpoint_config(ctx.path(cfg.env.world_model)), read_checkpoint_config(ctx.path(cfg.env.critic)),
+        n_init=n_init, episodes_per_task=int(rc.episodes_per_task), max_steps=int(rc.max_steps),
+        replay_episodes=int(rc.replay_episodes), heldout_every=int(rc.heldout_every),
+        wm_seconds=float(wm.seconds), wm_lr=float(wm.lr), wm_batch_size=int(wm.batch_size),
+        wm_p_deterministic=float(wm.p_deterministic), critic_seconds=float(cr.seconds), critic_lr=float(cr.lr),
+        critic_batch_size=int(cr.batch_size), imagined_fraction=float(cr.imagined_fraction),
+        bank_size=int(cr.bank_size), bank_chunks=int(cr.bank_chunks), seed=int(cfg.seed),
+        progress=bool(cfg.get("progress", True)), also_update=replay_envs)
+    r.restored = r.restore() if bool(cfg.resume) else None
+    if r.restored is not None:
+        log.info("world-model refresh: resumed with the world model and critic of round %d", r.restored)
+    return r
+
+
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     """GRPO post-training (see module docstring). Returns the report dict: before/after real-sim
     success with CIs, the evaluation curve, the per-iteration history, mitigation settings."""
@@ -288,6 +321,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         for s in range(int(den.samples)):
             replay_envs.append(build_env(cfg.env, suite, seed=int(cfg.seed) + 1000 + s, device=str(cfg.device)))
 
+    refresher = _maybe_refresher(cfg, ctx, env, suite, tasks, int(n_init), replay_envs)
+
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=float(cfg.lr))
     writer = None
@@ -300,6 +335,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
                           eval_every=int(ev.every), checkpoint_every=int(cfg.checkpoint_every), resume=bool(cfg.resume),
                           seed=int(cfg.seed), debiaser=debiaser, real_rollout_fn=real_fn, debias_starts=debias_starts,
                           debias_every=int(_maybe(deb, "every", 1) or 1), replay_envs=replay_envs,
+                          refresh_fn=refresher, refresh_every=int(cfg.refresh.every) if refresher is not None else 0,
                           writer=writer, progress=bool(cfg.get("progress", True)))
     if writer is not None:
         writer.close()
@@ -312,6 +348,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         "iterations": out["iterations"],
         "tasks": list(tasks),
         "mitigations": {"debias": debiaser is not None, "denoise": bool(replay_envs)},
+        "refresh": None if refresher is None else {"every": int(cfg.refresh.every), "restored_round": refresher.restored,
+                                                  "rounds": [{k: v for k, v in h.items() if k.startswith("refresh/") or k == "iteration"}
+                                                             for h in out["history"] if "refresh/real_success" in h]},
         "grpo": OmegaConf.to_container(cfg.grpo, resolve=True),
         "evals": evals,
         "history": out["history"],

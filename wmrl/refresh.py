@@ -1,0 +1,281 @@
+"""World model in the loop: refresh the world model and the critic on real rollouts of the policy
+being trained, during GRPO in imagination.
+
+A policy optimised in a world model drifts to states the model has not seen and learns actions the
+model rewards and the real arm does not (the imagined success climbs while the real one falls).
+World-VLA-Loop and WoVR close the loop: every few GRPO iterations the *current* policy is rolled out
+in the real sim, its episodes (successes and, mostly, failures) join the world model's data, and
+the world model and the critic are fine-tuned on them, so the model learns what those actions
+really do before the policy is optimised against it again. The optimisation itself stays in
+imagination; the real rollouts are data for the world model (a few dozen per refresh, against the
+thousands of imagined rollouts).
+
+:class:`WorldModelRefresher` is the callback ``wmrl.grpo.train_grpo(refresh_fn=...)`` calls every
+``refresh_every`` iterations. :func:`record_episodes` runs a policy in a ``SimEnv`` and keeps every
+control step (the pipeline's BC rollouts use it too).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from wmrl.types import Episode, Start
+
+log = logging.getLogger("wmrl.refresh")
+
+
+@torch.no_grad()
+def record_episodes(env, policy, starts: list[Start], max_steps: int, generator: torch.Generator | None = None,
+                    source: str = "policy_rollout", progress: bool = False, desc: str = "rollouts") -> list[Episode]:
+    """Run ``policy`` from every start once and return the whole episodes (every control step).
+
+    Each sampled chunk ``(B, H, D_a)`` is executed one step at a time (``env.step`` with ``H = 1``)
+    so that every step's observation is recorded, exactly as a scripted demo is. An episode ends at
+    termination, truncation or ``max_steps``. ``env`` must not auto-reset in a way that hides the
+    boundary (``StepResult.done`` marks it). Returns ``Episode`` objects (``sim_states`` when the
+    env exposes ``sim_state(slot)``), in the order of ``starts``.
+    """
+    b = env.num_envs
+    out: list[Episode] = []
+    batches = range(0, len(starts), b)
+    if progress:
+        from tqdm import tqdm
+
+        batches = tqdm(batches, desc=desc, leave=False)
+    for i in batches:
+        real = list(starts[i:i + b])
+        batch = real + [real[-1]] * (b - len(real))
+        obs = env.reset(batch)
+        n = len(real)
+        buf = [{"images": {k: [] for k in obs.images}, "proprio": [], "actions": [], "rewards": [], "states": []}
+               for _ in range(n)]
+        alive = np.zeros(b, bool)
+        alive[:n] = True
+        success = np.zeros(b, bool)
+        t = 0
+        has_state = hasattr(env, "sim_state")
+        while alive.any() and t < max_steps:
+            chunk = policy.sample(obs, generator=generator).actions
+            for h in range(chunk.shape[1]):
+                if not alive.any() or t >= max_steps:
+                    break
+                for j in np.flatnonzero(alive[:n]):
+                    for k, v in obs.images.items():
+                        buf[j]["images"][k].append(v[j].cpu().numpy())
+                    buf[j]["proprio"].append(obs.proprio[j].cpu().numpy())
+                    buf[j]["actions"].append(chunk[j, h].cpu().numpy())
+                    if has_state:
+                        buf[j]["states"].append(np.asarray(env.sim_state(int(j))))
+                res = env.step(chunk[:, h:h + 1])
+                for j in np.flatnonzero(alive[:n]):
+                    buf[j]["rewards"].append(float(res.reward[j]))
+                    if bool(res.success[j]):
+                        success[j] = True
+                alive &= ~res.done.cpu().numpy().astype(bool)
+                obs = res.obs
+                t += 1
+        for j, s in enumerate(real):
+            d = buf[j]
+            out.append(Episode(
+                images={k: np.stack(v).astype(np.uint8) for k, v in d["images"].items()},
+                proprio=np.stack(d["proprio"]).astype(np.float32), actions=np.stack(d["actions"]).astype(np.float32),
+                rewards=np.asarray(d["rewards"], np.float32), success=bool(success[j]), instruction=s.instruction,
+                task_name=s.task_name, sim_states=np.stack(d["states"]) if d["states"] else None,
+                info={"source": source, "init_index": s.init_index, "split": s.split}))
+    return out
+
+
+class WorldModelRefresher:
+    """Fine-tunes an ``ImaginationEnv``'s world model and critic on real rollouts of the current policy.
+
+    Each call (``refresher(policy, iteration)``):
+
+    1. runs ``policy`` (with whatever sampler it has, during GRPO the stochastic RL sampler) in the
+       real sim from ``episodes_per_task`` train init states per task (drawn afresh every round
+       from ``iteration`` and ``seed``), recording every step (:func:`record_episodes`);
+    2. fine-tunes the world model (``worldmodels.train.train_world_model``, no re-fit of its
+       normalisation statistics) for ``wm_seconds`` on every on-policy episode recorded so far plus
+       ``replay_episodes`` episodes of the training split of ``store`` (its original data, against
+       forgetting);
+    3. fine-tunes the critic on the same episodes for ``critic_seconds``, with a fraction
+       ``imagined_fraction`` of each batch from the refreshed world model's version of them
+       (``worldmodels.train.imagined_frame_bank``), so that the critic learns how the policy's
+       failures look in imagination;
+    4. saves both under ``out_dir/round_<iteration>/`` and records the round in ``out_dir/latest.json``
+       (:meth:`restore` loads it when a killed GRPO run resumes).
+
+    The modules are updated in place, so the ``ImaginationEnv`` (and any replay envs given in
+    ``also_update``) imagine with the new weights from the next iteration on.
+
+    Args:
+        env: the ``ImaginationEnv`` (its ``world_model`` / ``critic`` are fine-tuned).
+        sim_env: a ``SimEnv`` (``num_envs`` slots) for the real rollouts.
+        tasks: ``{task name: instruction}``.
+        store: the world model's training ``EpisodeStore`` folder (replay data; its metadata is used
+            for the stores of recorded rollouts).
+        world_model_config, critic_config: constructor configs of the two modules (their checkpoints'
+            ``config.yaml``, ``wmrl.checkpoint.read_checkpoint_config``), saved with each round.
+        n_init: train init states per task to draw from.
+        heldout_every: as in ``wmrl train-worldmodel`` (held-out episodes are never replayed).
+
+    Raises:
+        ValueError: ``episodes_per_task < 1``, the env has no ``world_model`` / ``critic``, or the
+            store lacks the world model's cameras.
+
+    Reference: World-VLA-Loop (failures refine the world model), WoVR (world model refined on the
+    policy's rollouts, LIBERO 39.9 -> 69.2 %).
+    """
+
+    def __init__(self, env, sim_env, tasks: dict, out_dir, store, world_model_config: dict, critic_config: dict,
+                 n_init: int = 50, episodes_per_task: int = 8,
+                 max_steps: int = 160, replay_episodes: int = 48, heldout_every: int = 5,
+                 wm_seconds: float = 45.0, wm_lr: float = 3e-4, wm_batch_size: int = 32, wm_p_deterministic: float = 0.5,
+                 critic_seconds: float = 20.0, critic_lr: float = 3e-4, critic_batch_size: int = 64,
+                 imagined_fraction: float = 0.5, bank_size: int = 256, bank_chunks: int = 2,
+                 seed: int = 0, progress: bool = True, also_update: Sequence = ()):
+        if int(episodes_per_task) < 1:
+            raise ValueError(f"refresh.episodes_per_task must be >= 1, got {episodes_per_task}")
+        for k in ("world_model", "critic"):
+            if getattr(env, k, None) is None:
+                raise ValueError(f"world-model refresh needs an ImaginationEnv (env has no {k}); use env=imagination")
+        self.env, self.sim_env, self.tasks = env, sim_env, dict(tasks)
+        self.out_dir = Path(out_dir)
+        self.n_init, self.episodes_per_task, self.max_steps = int(n_init), int(episodes_per_task), int(max_steps)
+        self.wm_seconds, self.wm_lr, self.wm_batch_size = float(wm_seconds), float(wm_lr), int(wm_batch_size)
+        self.wm_p_deterministic = float(wm_p_deterministic)
+        self.critic_seconds, self.critic_lr, self.critic_batch_size = float(critic_seconds), float(critic_lr), int(critic_batch_size)
+        self.imagined_fraction, self.bank_size, self.bank_chunks = float(imagined_fraction), int(bank_size), int(bank_chunks)
+        self.seed, self.progress = int(seed), bool(progress)
+        self.also_update = list(also_update)
+        self.cameras = list(env.world_model.cameras)
+        self.wm_config = {k: v for k, v in dict(world_model_config).items() if k != "_target_"}
+        self.critic_config = {k: v for k, v in dict(critic_config).items() if k != "_target_"}
+        from wmrl.storage import EpisodeStore
+        from worldmodels.data import heldout_episodes
+
+        st = EpisodeStore.open(store, mode="r")
+        missing = [c for c in self.cameras if c not in st.cameras]
+        if missing:
+            raise ValueError(f"refresh.store {store} lacks the world model's cameras {missing} (has {list(st.cameras)})")
+        self.store_meta, self.action_space = st.meta, st.action_space
+        self.replay: list[Episode] = []
+        if int(replay_episodes) > 0:
+            tr, _ = heldout_episodes(len(st), int(heldout_every))
+            rng = np.random.default_rng([self.seed, 23])
+            pick = sorted(rng.choice(tr, size=min(len(tr), int(replay_episodes)), replace=False).tolist())
+            self.replay = [st.episode(i, self.cameras) for i in pick]
+        self.onpolicy: list[Episode] = []
+        self.restored: int | None = None
+
+    # ---------------------------------------------------------------- rollouts
+    def starts(self, iteration: int) -> list[Start]:
+        rng = np.random.default_rng([self.seed, 29, int(iteration)])
+        k = min(self.episodes_per_task, self.n_init)
+        return [Start(task_name=t, instruction=ins, init_index=int(i), split="train")
+                for t, ins in self.tasks.items() for i in rng.choice(self.n_init, size=k, replace=False)]
+
+    def _store_round(self, episodes: list[Episode], folder: Path) -> None:
+        from wmrl.storage import EpisodeStore
+
+        m = self.store_meta
+        st = EpisodeStore.create(folder, cameras={k: tuple(v) for k, v in m["cameras"].items()},
+                                 state_dim=m["state_dim"], action_dim=m["action_dim"], fps=m["fps"],
+                                 action_space=self.action_space, embodiment=m.get("embodiment", "panda"),
+                                 source="grpo_refresh", overwrite=True)
+        for e in episodes:
+            st.append(e)
+
+    # ---------------------------------------------------------------- the round
+    def __call__(self, policy, iteration: int) -> dict:
+        from worldmodels.data import EpisodeFrames
+        from worldmodels.train import (
+            imagined_frame_bank,
+            train_critic,
+            train_world_model,
+        )
+
+        t0 = time.time()
+        rdir = self.out_dir / f"round_{int(iteration):04d}"
+        was_training = getattr(policy, "training", False)
+        if hasattr(policy, "eval"):
+            policy.eval()
+        eps = record_episodes(self.sim_env, policy, self.starts(iteration), self.max_steps,
+                              generator=torch.Generator().manual_seed(self.seed + 31 * int(iteration)),
+                              source="grpo_refresh", progress=self.progress, desc="refresh rollouts")
+        if was_training and hasattr(policy, "train"):
+            policy.train()
+        t_roll = time.time() - t0
+        self._store_round(eps, rdir / "rollouts.zarr")
+        self.onpolicy.extend(eps)
+        mixed = EpisodeFrames(self.onpolicy + self.replay, cameras=self.cameras)
+        succ = {t: float(np.mean([e.success for e in eps if e.task_name == t])) for t in self.tasks}
+
+        wm, critic = self.env.world_model, self.env.critic
+        t1 = time.time()
+        wm_rep = train_world_model(wm, self.wm_config, mixed, rdir / "worldmodel", steps=10 ** 6,
+                                   batch_size=self.wm_batch_size, lr=self.wm_lr, warmup=5,
+                                   max_minutes=self.wm_seconds / 60, checkpoint_every=10 ** 6, eval_every=10 ** 6,
+                                   resume=False, tensorboard=False, progress=self.progress, seed=self.seed + int(iteration),
+                                   p_deterministic=self.wm_p_deterministic, fit_stats=False)
+        wm.eval()
+        t2 = time.time()
+        bank = None
+        if self.imagined_fraction > 0 and self.bank_size > 0:
+            bank = imagined_frame_bank(wm, mixed, self.bank_size, self.bank_chunks,
+                                       np.random.default_rng([self.seed, 37, int(iteration)]), progress=self.progress)
+        c_rep = train_critic(critic, self.critic_config, mixed, rdir / "critic", steps=10 ** 6,
+                             batch_size=self.critic_batch_size, lr=self.critic_lr, warmup=5,
+                             max_minutes=self.critic_seconds / 60, checkpoint_every=10 ** 6, eval_every=10 ** 6,
+                             resume=False, tensorboard=False, progress=self.progress, seed=self.seed + int(iteration),
+                             imagined=bank, imagined_fraction=self.imagined_fraction if bank is not None else 0.0,
+                             fit_stats=False)
+        critic.eval()
+        for other in self.also_update:
+            other.world_model.load_state_dict(wm.state_dict())
+            other.critic.load_state_dict(critic.state_dict())
+        (self.out_dir / "latest.json").write_text(json.dumps({
+            "iteration": int(iteration), "world_model": wm_rep["checkpoint"], "critic": c_rep["checkpoint"],
+            "rollout_stores": [str(self.out_dir / d.name / "rollouts.zarr") for d in sorted(self.out_dir.glob("round_*"))
+                               if (d / "rollouts.zarr").exists()]}, indent=2))
+        stats = {"refresh/real_success": float(np.mean([e.success for e in eps])),
+                 **{f"refresh/real_success/{t}": v for t, v in succ.items()},
+                 "refresh/episodes": float(len(eps)), "refresh/onpolicy_episodes": float(len(self.onpolicy)),
+                 "refresh/rollout_s": t_roll, "refresh/worldmodel_s": t2 - t1, "refresh/critic_s": time.time() - t2,
+                 "refresh/worldmodel_steps": float(wm_rep["steps"]), "refresh/critic_steps": float(c_rep["steps"]),
+                 "refresh/wall_s": time.time() - t0}
+        log.info("refresh at iteration %d: real success of the current policy %.3f %s; world model %d steps, "
+                 "critic %d steps, %.0f s", iteration, stats["refresh/real_success"], succ, wm_rep["steps"],
+                 c_rep["steps"], stats["refresh/wall_s"])
+        return stats
+
+    def restore(self) -> int | None:
+        """Load the last completed round (``out_dir/latest.json``) into the env's world model and
+        critic and reload its on-policy episodes; returns its iteration (``None``: no round yet)."""
+        f = self.out_dir / "latest.json"
+        if not f.is_file():
+            return None
+        from safetensors.torch import load_model
+
+        from wmrl.storage import EpisodeStore
+
+        d = json.loads(f.read_text())
+        load_model(self.env.world_model, str(Path(d["world_model"]) / "model.safetensors"))
+        load_model(self.env.critic, str(Path(d["critic"]) / "model.safetensors"))
+        self.env.world_model.eval()
+        self.env.critic.eval()
+        for other in self.also_update:
+            other.world_model.load_state_dict(self.env.world_model.state_dict())
+            other.critic.load_state_dict(self.env.critic.state_dict())
+        self.onpolicy = []
+        for p in d["rollout_stores"]:
+            st = EpisodeStore.open(p, mode="r")
+            self.onpolicy.extend(st.episode(i, self.cameras) for i in range(len(st)))
+        return int(d["iteration"])
+

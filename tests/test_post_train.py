@@ -75,3 +75,12 @@ def test_hydra_config_composes_for_both_envs():
         assert c.env.name == "sim" and c.grpo.group_size >= 2 and c.evaluation.episodes_per_task == 50
         c = compose("post_train", overrides=["checkpoint=p", "env.world_model=w", "env.critic=c", "suite=tiny"])
         assert c.env.name == "imagination" and c.env.world_model == "w" and c.suite.name == "tiny"
+
+
+def test_trainable_prefixes_freeze_the_rest():
+    pol = GaussianChunkPolicy()
+    params = post_train.trainable_parameters(pol, ["log_std"])
+    assert params == [pol.log_std] and not pol.net.weight.requires_grad and pol.log_std.requires_grad
+    assert len(post_train.trainable_parameters(GaussianChunkPolicy(), None)) == 3
+    with pytest.raises(ValueError, match="modules are"):
+        post_train.trainable_parameters(GaussianChunkPolicy(), ["head"])

@@ -218,22 +218,25 @@ class WorldModelRefresher:
         succ = {t: float(np.mean([e.success for e in eps if e.task_name == t])) for t in self.tasks}
 
         wm, critic = self.env.world_model, self.env.critic
+        log.info("refresh at iteration %d: %d real rollouts (success %s); fine-tuning the world model %.0f s and the "
+                 "critic %.0f s on %d on-policy + %d replay episodes", iteration, len(eps), succ, self.wm_seconds,
+                 self.critic_seconds, len(self.onpolicy), len(self.replay))
         t1 = time.time()
         wm_rep = train_world_model(wm, self.wm_config, mixed, rdir / "worldmodel", steps=10 ** 6,
                                    batch_size=self.wm_batch_size, lr=self.wm_lr, warmup=5,
                                    max_minutes=self.wm_seconds / 60, checkpoint_every=10 ** 6, eval_every=10 ** 6,
-                                   resume=False, tensorboard=False, progress=self.progress, seed=self.seed + int(iteration),
+                                   resume=False, tensorboard=False, progress=False, seed=self.seed + int(iteration),
                                    p_deterministic=self.wm_p_deterministic, fit_stats=False)
         wm.eval()
         t2 = time.time()
         bank = None
         if self.imagined_fraction > 0 and self.bank_size > 0:
             bank = imagined_frame_bank(wm, mixed, self.bank_size, self.bank_chunks,
-                                       np.random.default_rng([self.seed, 37, int(iteration)]), progress=self.progress)
+                                       np.random.default_rng([self.seed, 37, int(iteration)]), progress=False)
         c_rep = train_critic(critic, self.critic_config, mixed, rdir / "critic", steps=10 ** 6,
                              batch_size=self.critic_batch_size, lr=self.critic_lr, warmup=5,
                              max_minutes=self.critic_seconds / 60, checkpoint_every=10 ** 6, eval_every=10 ** 6,
-                             resume=False, tensorboard=False, progress=self.progress, seed=self.seed + int(iteration),
+                             resume=False, tensorboard=False, progress=False, seed=self.seed + int(iteration),
                              imagined=bank, imagined_fraction=self.imagined_fraction if bank is not None else 0.0,
                              fit_stats=False)
         critic.eval()

@@ -220,6 +220,28 @@ def _maybe(cfg: DictConfig | None, key: str, default=None):
     return default if cfg is None else cfg.get(key, default)
 
 
+def trainable_parameters(policy, prefixes) -> list:
+    """The parameters GRPO updates: all that require grad (``prefixes`` null), or only those whose
+    name starts with one of ``prefixes`` (e.g. ``[head]``: the flow-matching action head; the vision
+    and language encoders stay as BC left them). The others are frozen (``requires_grad=False``).
+
+    Raises:
+        ValueError: no parameter matches ``prefixes`` (the message lists the top-level modules)."""
+    if not prefixes:
+        return [p for p in policy.parameters() if p.requires_grad]
+    prefixes = tuple(str(x) for x in prefixes)
+    keep = []
+    for name, p in policy.named_parameters():
+        if name.startswith(prefixes):
+            keep.append(p)
+        else:
+            p.requires_grad_(False)
+    if not keep:
+        tops = sorted({n.split(".")[0] for n, _ in policy.named_parameters()})
+        raise ValueError(f"trainable={list(prefixes)} matches no parameter of the policy; its modules are {tops}")
+    return keep
+
+
 def _maybe_refresher(cfg: DictConfig, ctx: RunContext, env, suite, tasks: dict, n_init: int, replay_envs):
     """The world-model-in-the-loop refresher (``cfg.refresh``, :class:`wmrl.refresh.WorldModelRefresher`)
     or ``None`` when ``refresh.every`` is 0. On resume it reloads its last completed round."""
@@ -323,7 +345,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
     refresher = _maybe_refresher(cfg, ctx, env, suite, tasks, int(n_init), replay_envs)
 
-    params = [p for p in policy.parameters() if p.requires_grad]
+    params = trainable_parameters(policy, cfg.get("trainable"))
     optimizer = torch.optim.Adam(params, lr=float(cfg.lr))
     writer = None
     if cfg.get("tensorboard", True):

@@ -28,7 +28,7 @@ log = logging.getLogger("wmrl.policies")
 
 DEFAULTS = dict(steps=2000, batch_size=64, lr=3e-4, weight_decay=1e-4, warmup_steps=100, min_lr_ratio=0.1,
                 grad_clip=1.0, ema_decay=0.995, log_every=25, ckpt_every=500, num_workers=0, seed=0,
-                resume=True, time_budget_s=0.0, bf16=False)
+                resume=True, time_budget_s=0.0, bf16=False, lr_follows_budget=True)
 
 
 def _cfg(cfg: Any) -> dict:
@@ -145,7 +145,9 @@ def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -
         dataset: map-style dataset of windows (``wmrl.storage.WindowDataset(store, n_obs, horizon)``
             items: ``images``, ``proprio``, ``actions``, ``action_pad``, ``instruction``, ...).
         cfg: mapping with keys of :data:`DEFAULTS` (``steps``, ``batch_size``, ``lr``, ``ema_decay`` (0 =
-            off), ``ckpt_every``, ``resume``, ``time_budget_s`` (stop early after this wall time; 0 = off), ``bf16`` (bfloat16 autocast of the forward pass;
+            off), ``ckpt_every``, ``resume``, ``time_budget_s`` (stop early after this wall time; 0 = off), ``lr_follows_budget`` (the LR decays
+            over the time budget when it runs out before the steps; ``False``: over the steps only, so the run
+            does not depend on the machine's speed), ``bf16`` (bfloat16 autocast of the forward pass;
             about 1.6x faster BC steps on this CPU; weights, optimizer and EMA stay float32)...).
         out_dir: run directory; TensorBoard scalars go to ``out_dir/tb``, checkpoints to
             ``out_dir/checkpoints``.
@@ -201,7 +203,7 @@ def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -
         bar = tqdm(batches, total=remaining, initial=0, desc="bc", dynamic_ncols=True)
         for batch in bar:
             budget = float(c["time_budget_s"] or 0.0)
-            lr = _lr_at(step, c, (time.time() - t0) / budget if budget > 0 else 0.0)
+            lr = _lr_at(step, c, (time.time() - t0) / budget if budget > 0 and c["lr_follows_budget"] else 0.0)
             for g in opt.param_groups:
                 g["lr"] = lr
             with torch.autocast(device_type=policy_device_type(policy), dtype=torch.bfloat16, enabled=bool(c["bf16"])):

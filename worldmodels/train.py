@@ -192,12 +192,14 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
                       checkpoint_every: int = 250, video_chunks: int = 8, resume: bool = True,
                       tensorboard: bool = True, progress: bool = True, seed: int = 0,
                       p_deterministic: float = 0.25, p_pure_noise: float = 0.25, budget_clock: str = "wall",
-                      fit_stats: bool = True) -> dict:
+                      fit_stats: bool = True, lr_follows_budget: bool = True) -> dict:
     """Train ``model`` on chunk windows of ``train``; returns a report dict.
 
     ``model_config`` is the model's constructor arguments (saved in the checkpoint). Stats are fitted
     from ``train`` unless resuming or ``fit_stats=False`` (fine-tuning a trained model keeps its
-    normalisation). ``max_minutes`` bounds wall-clock time (checkpoint at the end).
+    normalisation). ``max_minutes`` bounds wall-clock time (checkpoint at the end); the LR decays over
+    it when it ends before ``steps`` unless ``lr_follows_budget=False`` (then over the steps only, and
+    a run does not depend on the machine's speed).
     """
     out_dir = Path(out_dir)
     H = model.chunk_size
@@ -223,7 +225,7 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
     while step < steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup,
-                            clock.elapsed() / (60 * max_minutes) if max_minutes else 0.0)
+                            clock.elapsed() / (60 * max_minutes) if max_minutes and lr_follows_budget else 0.0)
         w = train.sample_windows(batch_size, H, rng)
         out = model.loss(w.frames, w.proprio, w.actions, w.next_frames, w.next_proprio, generator=gen,
                          p_deterministic=p_deterministic, p_pure_noise=p_pure_noise)
@@ -348,7 +350,7 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
                  checkpoint_every: int = 250, resume: bool = True, tensorboard: bool = True,
                  progress: bool = True, seed: int = 0, augment: bool = True, budget_clock: str = "wall",
                  imagined: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-                 imagined_fraction: float = 0.0, fit_stats: bool = True) -> dict:
+                 imagined_fraction: float = 0.0, fit_stats: bool = True, lr_follows_budget: bool = True) -> dict:
     """Train the progress-value critic on every frame of ``train`` (targets from
     :meth:`EpisodeFrames.frame_labels`); returns a report dict (held-out AUROC when given).
 
@@ -382,7 +384,7 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
     while step < steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup,
-                            clock.elapsed() / (60 * max_minutes) if max_minutes else 0.0)
+                            clock.elapsed() / (60 * max_minutes) if max_minutes and lr_follows_budget else 0.0)
         n_im = int(round(imagined_fraction * batch_size)) if imagined is not None else 0
         idx = rng.integers(0, len(prog_all), size=batch_size - n_im)
         frames_np, prop_np = train.images[idx], train.proprio[idx]

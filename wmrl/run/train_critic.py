@@ -49,6 +49,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         log_every=int(tc.log_every), eval_every=int(tc.eval_every), checkpoint_every=int(tc.checkpoint_every),
         resume=bool(cfg.resume), tensorboard=bool(tc.tensorboard), progress=bool(cfg.progress),
         seed=int(cfg.seed), augment=bool(tc.augment), budget_clock=str(tc.budget_clock),
+        lr_follows_budget=bool(tc.get("lr_follows_budget", True)),
         imagined=bank, imagined_fraction=float(im.get("fraction", 0.0)) if bank is not None else 0.0)
     report.update(imagined_bank=0 if bank is None else int(len(bank[2])))
     report.update(store=str(ctx.path(cfg.store)), train_episodes=train.num_episodes,

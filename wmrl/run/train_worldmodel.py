@@ -54,7 +54,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         max_minutes=tc.max_minutes, log_every=int(tc.log_every), eval_every=int(tc.eval_every),
         checkpoint_every=int(tc.checkpoint_every), video_chunks=int(tc.video_chunks), resume=bool(cfg.resume),
         tensorboard=bool(tc.tensorboard), progress=bool(cfg.progress), seed=int(cfg.seed),
-        p_deterministic=float(tc.p_deterministic), p_pure_noise=float(tc.p_pure_noise), budget_clock=str(tc.budget_clock))
+        p_deterministic=float(tc.p_deterministic), p_pure_noise=float(tc.p_pure_noise), budget_clock=str(tc.budget_clock),
+        lr_follows_budget=bool(tc.get("lr_follows_budget", True)))
     report.update(store=str(ctx.path(cfg.store)), train_episodes=train.num_episodes,
                   heldout_episodes=held.num_episodes)
     return report

@@ -268,3 +268,28 @@ def test_entry_points_train_and_evaluate(tmp_path):
     bad = _compose("train_worldmodel", ["worldmodel=tiny", f"store={store}", "worldmodel.cameras=[agentview,frontview]"])
     with pytest.raises(ValueError, match="frontview"):
         train_worldmodel.run(bad, RunContext(bad, out_dir=tmp_path / "bad"))
+
+
+def test_step_schedule_makes_training_reproducible(tmp_path, frames, monkeypatch):
+    """With ``lr_follows_budget=False`` the LR follows the steps only: two runs with the same seed give
+    bitwise equal weights even when the clock runs differently (here: one run's clock is made to
+    jump, which with the time-following schedule changes its LR)."""
+    import worldmodels.train as wt
+
+    def run(tag, lr_follows_budget, slow):
+        if slow:
+            t = iter(range(0, 10 ** 6, 7))   # each clock read 7 s later: 1-minute budget reached in ~9 reads
+            monkeypatch.setattr(wt.BudgetClock, "elapsed", lambda self: float(next(t)) * 0.1)
+        else:
+            monkeypatch.setattr(wt.BudgetClock, "elapsed", lambda self: 0.0)
+        torch.manual_seed(0)
+        m = tiny_model()
+        train_world_model(m, TINY, frames, tmp_path / tag, steps=6, batch_size=4, lr=3e-3, warmup=1,
+                          max_minutes=1.0, checkpoint_every=100, eval_every=100, progress=False, resume=False,
+                          tensorboard=False, lr_follows_budget=lr_follows_budget)
+        return {k: v.clone() for k, v in m.state_dict().items()}
+
+    a, b = run("a", False, False), run("b", False, True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    c, d = run("c", True, False), run("d", True, True)
+    assert any(not torch.equal(c[k], d[k]) for k in c)

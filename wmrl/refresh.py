@@ -31,6 +31,17 @@ from wmrl.types import Episode, Start
 log = logging.getLogger("wmrl.refresh")
 
 
+def store_like(template, dest, source: str):
+    """A new empty ``EpisodeStore`` at ``dest`` (replaced if it exists) with the cameras, dimensions,
+    fps, action space and embodiment of the open store ``template``."""
+    from wmrl.storage import EpisodeStore
+
+    m = template.meta
+    return EpisodeStore.create(dest, cameras={k: tuple(v) for k, v in m["cameras"].items()}, state_dim=m["state_dim"],
+                               action_dim=m["action_dim"], fps=m["fps"], action_space=template.action_space,
+                               embodiment=m.get("embodiment", "panda"), source=source, overwrite=True)
+
+
 @torch.no_grad()
 def record_episodes(env, policy, starts: list[Start], max_steps: int, generator: torch.Generator | None = None,
                     source: str = "policy_rollout", progress: bool = False, desc: str = "rollouts") -> list[Episode]:
@@ -164,7 +175,7 @@ class WorldModelRefresher:
         missing = [c for c in self.cameras if c not in st.cameras]
         if missing:
             raise ValueError(f"refresh.store {store} lacks the world model's cameras {missing} (has {list(st.cameras)})")
-        self.store_meta, self.action_space = st.meta, st.action_space
+        self.template = st
         self.replay: list[Episode] = []
         if int(replay_episodes) > 0:
             tr, _ = heldout_episodes(len(st), int(heldout_every))
@@ -182,13 +193,7 @@ class WorldModelRefresher:
                 for t, ins in self.tasks.items() for i in rng.choice(self.n_init, size=k, replace=False)]
 
     def _store_round(self, episodes: list[Episode], folder: Path) -> None:
-        from wmrl.storage import EpisodeStore
-
-        m = self.store_meta
-        st = EpisodeStore.create(folder, cameras={k: tuple(v) for k, v in m["cameras"].items()},
-                                 state_dim=m["state_dim"], action_dim=m["action_dim"], fps=m["fps"],
-                                 action_space=self.action_space, embodiment=m.get("embodiment", "panda"),
-                                 source="grpo_refresh", overwrite=True)
+        st = store_like(self.template, folder, "grpo_refresh")
         for e in episodes:
             st.append(e)
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from wmrl.refresh import record_episodes
+from wmrl.refresh import record_episodes, store_like
 from wmrl.run.common import RunContext, run_main
 from wmrl.types import Start
 
@@ -118,11 +118,7 @@ def merge_stores(sources: list[Path], dest: Path, source: str = "pipeline") -> d
     """Copy every episode of ``sources`` (EpisodeStores with the same cameras/dims) into a new store."""
     from wmrl.storage import EpisodeStore
 
-    first = EpisodeStore.open(sources[0], "r")
-    m = first.meta
-    out = EpisodeStore.create(dest, cameras={k: tuple(v) for k, v in m["cameras"].items()}, state_dim=m["state_dim"],
-                              action_dim=m["action_dim"], fps=m["fps"], action_space=first.action_space,
-                              embodiment=m.get("embodiment", "panda"), source=source, overwrite=True)
+    out = store_like(EpisodeStore.open(sources[0], "r"), dest, source)
     n = 0
     for p in sources:
         st = EpisodeStore.open(p, "r")
@@ -297,12 +293,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         with using_sampler(policy, sampler):
             eps = record_episodes(env, policy, starts, int(scfg.max_steps),
                                   generator=torch.Generator().manual_seed(seed + 5), source="bc_rollout", progress=True)
-        demo_store = EpisodeStore.open(demos, "r")
-        m = demo_store.meta
-        st = EpisodeStore.create(rollouts, cameras={k: tuple(v) for k, v in m["cameras"].items()},
-                                 state_dim=m["state_dim"], action_dim=m["action_dim"], fps=m["fps"],
-                                 action_space=demo_store.action_space, embodiment=m.get("embodiment", "panda"),
-                                 source="bc_rollout", overwrite=True)
+        st = store_like(EpisodeStore.open(demos, "r"), rollouts, "bc_rollout")
         for e in eps:
             st.append(e)
         merge_stores([demos, rollouts], mixed)

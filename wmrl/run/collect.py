@@ -25,16 +25,17 @@ log = logging.getLogger("wmrl.collect")
 
 
 def _collect_tasks(suite, tasks: list[str], n: int, noise: float, seed: int, out: str,
-                   have: dict[str, int], total: int, position: int = 0) -> dict:
-    """Collect the missing episodes of ``tasks`` (in order) into the store at ``out``; returns
-    per-task ``{episodes, successes, steps}``. Runs in the main process (``suite`` a Suite) or in a
-    worker (``suite`` its resolved config dict)."""
+                   have: dict[str, int], total: int, position: int = 0, like: str | None = None) -> dict:
+    """Collect the missing episodes of ``tasks`` (in order) into the store at ``out`` (a new store
+    shaped like the store at ``like`` when given); returns per-task ``{episodes, successes, steps}``.
+    Runs in the main process (``suite`` a Suite) or in a worker (``suite`` its resolved config dict)."""
     from sim.collect import collect_episodes
+    from wmrl.refresh import store_like
     from wmrl.storage import EpisodeStore
 
     if isinstance(suite, dict):
         suite = instantiate(suite)
-    store = EpisodeStore.open(out, mode="a")
+    store = store_like(EpisodeStore.open(like, mode="r"), out, "scripted") if like else EpisodeStore.open(out, mode="a")
     stats = {t: {"episodes": 0, "successes": 0, "steps": 0} for t in tasks}
     bar = tqdm(total=total, desc="collect" if not position else f"collect[{position}]", unit="ep",
                position=position)
@@ -53,11 +54,17 @@ def _collect_tasks(suite, tasks: list[str], n: int, noise: float, seed: int, out
 
 def _collect_parallel(cfg: DictConfig, suite, tasks: list[str], n: int, noise: float, out, have: dict,
                       total: int, workers: int) -> dict:
-    """Whole tasks per worker process (each task's episodes stay in order, so a re-run resumes
-    per task); the workers append to one store under its append lock. Tasks are dealt to the
-    worker with the least expected work (episodes x the task's step limit)."""
+    """Whole tasks per worker process, each into a store of its own next to ``out``; the main process
+    then appends their episodes to ``out`` task by task in ``tasks`` order, so the store is the one
+    ``workers=1`` writes, whatever the processes' timing (held-out splits and BC data order depend on
+    it). Tasks are dealt to the worker with the least expected work (episodes x the task's step
+    limit). A run killed before the merge keeps nothing new: a re-run collects those episodes again."""
     import multiprocessing as mp
+    import shutil
     from concurrent.futures import ProcessPoolExecutor
+    from pathlib import Path
+
+    from wmrl.storage import EpisodeStore
 
     work = {t: max(0, n - have[t]) * suite.task(t).max_steps for t in tasks}
     load = [0.0] * workers
@@ -68,12 +75,22 @@ def _collect_parallel(cfg: DictConfig, suite, tasks: list[str], n: int, noise: f
         load[k] += work[t]
     suite_cfg = OmegaConf.to_container(cfg.suite, resolve=True)
     stats: dict = {}
+    tmp = Path(str(out) + ".workers")
+    parts = [tmp / f"worker{i}.zarr" for i in range(workers)]
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        futs = [pool.submit(_collect_tasks, suite_cfg, g, n, noise, int(cfg.seed), str(out), have,
-                            sum(max(0, n - have[t]) for t in g), i + 1)
+        futs = [pool.submit(_collect_tasks, suite_cfg, g, n, noise, int(cfg.seed), str(parts[i]), have,
+                            sum(max(0, n - have[t]) for t in g), i + 1, str(out))
                 for i, g in enumerate(groups) if g]
         for f in futs:
             stats.update(f.result())
+    store = EpisodeStore.open(out, mode="a")
+    opened = [EpisodeStore.open(p, mode="r") for i, p in enumerate(parts) if groups[i]]
+    for t in tasks:
+        for part in opened:
+            for i, name in enumerate(part.task_names):
+                if name == t:
+                    store.append(part.episode(i))
+    shutil.rmtree(tmp, ignore_errors=True)
     return {t: stats[t] for t in tasks}
 
 

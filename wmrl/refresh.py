@@ -245,13 +245,13 @@ class WorldModelRefresher:
                              imagined=bank, imagined_fraction=self.imagined_fraction if bank is not None else 0.0,
                              fit_stats=False)
         critic.eval()
-        for other in self.also_update:
-            other.world_model.load_state_dict(wm.state_dict())
-            other.critic.load_state_dict(critic.state_dict())
+        self._sync_others()
+        # rounds up to this one (a later round folder is a round a killed run did not finish)
+        done = [d for d in sorted(self.out_dir.glob("round_*"))
+                if int(d.name.split("_")[1]) <= int(iteration) and (d / "rollouts.zarr").exists()]
         (self.out_dir / "latest.json").write_text(json.dumps({
             "iteration": int(iteration), "world_model": wm_rep["checkpoint"], "critic": c_rep["checkpoint"],
-            "rollout_stores": [str(self.out_dir / d.name / "rollouts.zarr") for d in sorted(self.out_dir.glob("round_*"))
-                               if (d / "rollouts.zarr").exists()]}, indent=2))
+            "rollout_stores": [str(d / "rollouts.zarr") for d in done]}, indent=2))
         stats = {"refresh/real_success": float(np.mean([e.success for e in eps])),
                  **{f"refresh/real_success/{t}": v for t, v in succ.items()},
                  "refresh/episodes": float(len(eps)), "refresh/onpolicy_episodes": float(len(self.onpolicy)),
@@ -263,9 +263,16 @@ class WorldModelRefresher:
                  c_rep["steps"], stats["refresh/wall_s"])
         return stats
 
+    def _sync_others(self) -> None:
+        """Copy the env's world model and critic weights into the ``also_update`` envs."""
+        for other in self.also_update:
+            other.world_model.load_state_dict(self.env.world_model.state_dict())
+            other.critic.load_state_dict(self.env.critic.state_dict())
+
     def restore(self) -> int | None:
         """Load the last completed round (``out_dir/latest.json``) into the env's world model and
-        critic and reload its on-policy episodes; returns its iteration (``None``: no round yet)."""
+        critic and reload its on-policy episodes; returns its iteration, also kept in ``restored``
+        (``None``: no round yet)."""
         f = self.out_dir / "latest.json"
         if not f.is_file():
             return None
@@ -278,12 +285,11 @@ class WorldModelRefresher:
         load_model(self.env.critic, str(Path(d["critic"]) / "model.safetensors"))
         self.env.world_model.eval()
         self.env.critic.eval()
-        for other in self.also_update:
-            other.world_model.load_state_dict(self.env.world_model.state_dict())
-            other.critic.load_state_dict(self.env.critic.state_dict())
+        self._sync_others()
         self.onpolicy = []
         for p in d["rollout_stores"]:
             st = EpisodeStore.open(p, mode="r")
             self.onpolicy.extend(st.episode(i, self.cameras) for i in range(len(st)))
-        return int(d["iteration"])
+        self.restored = int(d["iteration"])
+        return self.restored
 

@@ -109,11 +109,10 @@ def _module_run(module: str):
 
 
 # ------------------------------------------------------------------------------------------
-# BC rollouts: whole episodes of a policy in a ChunkEnv, written step by step
+# Stores (BC rollouts are recorded by wmrl.refresh.record_episodes)
 # ------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
 def merge_stores(sources: list[Path], dest: Path, source: str = "pipeline") -> dict:
     """Copy every episode of ``sources`` (EpisodeStores with the same cameras/dims) into a new store."""
     from wmrl.storage import EpisodeStore

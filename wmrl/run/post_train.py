@@ -269,8 +269,7 @@ def _maybe_refresher(cfg: DictConfig, ctx: RunContext, env, suite, tasks: dict, 
         critic_batch_size=int(cr.batch_size), imagined_fraction=float(cr.imagined_fraction),
         bank_size=int(cr.bank_size), bank_chunks=int(cr.bank_chunks), seed=int(cfg.seed),
         progress=bool(cfg.get("progress", True)), also_update=replay_envs)
-    r.restored = r.restore() if bool(cfg.resume) else None
-    if r.restored is not None:
+    if bool(cfg.resume) and r.restore() is not None:
         log.info("world-model refresh: resumed with the world model and critic of round %d", r.restored)
     return r
 

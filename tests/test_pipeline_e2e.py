@@ -15,7 +15,8 @@ def test_pipeline_debug_preset_end_to_end(tmp_path):
     cfg = pipeline.compose_stage_config("pipeline", {"preset": "debug", "num_threads": 1})
     ctx = RunContext(cfg, out_dir=tmp_path)
     rep = pipeline.run(cfg, ctx)
-    stages = ["collect", "bc", "bc_rollouts", "worldmodel", "critic", "eval_before", "grpo", "eval_after"]
+    stages = ["collect", "bc", "bc_rollouts", "worldmodel", "critic", "imagination_check", "eval_before", "grpo",
+              "eval_after"]
     assert list(rep["stages"]) == stages
     for s in stages:
         assert (tmp_path / s / "report.json").is_file() and rep["stages"][s]["wall_time_s"] > 0
@@ -28,6 +29,10 @@ def test_pipeline_debug_preset_end_to_end(tmp_path):
         assert open(p, "rb").read(4) == b"\x89PNG"
     assert len(rep["videos"]) == 4 and all(v.endswith(".mp4") for v in rep["videos"])
     assert (tmp_path / "grpo" / "checkpoints" / "last" / "model.safetensors").is_file()
+    # imagination check: 2 tasks x 1 start x group of 2, imagined and replayed in the sim
+    fid = rep["imagination_check"]
+    assert fid["n"] == 4 and fid["groups"] == 2 and set(fid["per_task"]) == {"lift_red", "push_red_to_target"}
+    assert 0 <= fid["imagined_success"] <= 1 and 0 <= fid["replayed_success"] <= 1
     # the debug preset refreshes the world model once (after GRPO iteration 1 of 2) on real rollouts
     rounds = rep["grpo"]["refresh"]["rounds"]
     assert [r["iteration"] for r in rounds] == [1] and rounds[0]["refresh/episodes"] == 2

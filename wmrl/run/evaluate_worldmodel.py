@@ -13,7 +13,9 @@ Report (``report.json``):
 * ``action_following``: one-chunk MSE with the true actions vs with another episode's actions;
 * ``critic``: AUROC success vs failure on held-out episodes (final frames);
 * ``policy_check``: success rate of a policy in ``ImaginationEnv`` and in the real ``SimEnv`` from the
-  same eval init states (the imagined rollouts start from the sim's real first frame);
+  same eval init states (the imagined rollouts start from the sim's real first frame); with
+  ``policy_check.replay_check.starts_per_task > 0`` also ``replay_check``: groups of imagined rollouts
+  (GRPO's view) replayed open loop in the sim (``wmrl.fidelity.replay_check``);
 * ``acceptance``: each target with its measured value and pass/fail.
 """
 
@@ -50,7 +52,22 @@ def _policy_check(cfg: DictConfig, wm, critic, ctx: RunContext) -> dict:
                                   success_patience=int(pc.get("success_patience", 1)), seed=int(cfg.seed))
         imag = grpo.evaluate_success(imag_env, policy, ctx_starts, int(pc.max_chunks), seed=int(cfg.seed), progress=True)
     agree = float(np.mean([a["success"] == b["success"] for a, b in zip(real["episodes"], imag["episodes"])]))
-    return {"real_success": real["success"], "real_ci95": real["ci95"], "imagined_success": imag["success"],
+    rc = pc.get("replay_check") or {}
+    replay = None
+    if int(rc.get("starts_per_task", 0) or 0) > 0:
+        from wmrl.fidelity import replay_check
+
+        k = int(rc.starts_per_task)
+        rs = [s for t in tasks for s in [x for x in ctx_starts if x.task_name == t][:k]]
+        g = int(rc.group_size)
+        with using_sampler(policy, instantiate(rc.sampler) if rc.get("sampler") else None):
+            replay = replay_check(
+                ImaginationEnv(wm, critic, num_envs=len(rs) * g, max_chunks=int(rc.max_chunks),
+                               success_threshold=float(pc.success_threshold),
+                               success_patience=int(pc.get("success_patience", 1)), seed=int(cfg.seed)),
+                sim_env, policy, rs, g, int(rc.max_chunks), generator=torch.Generator().manual_seed(int(cfg.seed)),
+                progress=True)
+    return {"replay_check": replay, "real_success": real["success"], "real_ci95": real["ci95"], "imagined_success": imag["success"],
             "imagined_ci95": imag["ci95"], "gap_points": 100 * abs(real["success"] - imag["success"]),
             "per_start_agreement": agree, "n": real["n"],
             "real_per_task": real["per_task"], "imagined_per_task": imag["per_task"]}

@@ -238,6 +238,41 @@ def _eval_policy(policy_path: Path, cfg: DictConfig, tasks: dict, suite, out_dir
     return r
 
 
+def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: dict, suite) -> dict:
+    """Before GRPO: does this run's imagination rank the BC policy's rollouts (GRPO's RL sampler,
+    group size and horizon, GRPO's first train init states) like the sim? See
+    :func:`wmrl.fidelity.replay_check`."""
+    from wmrl import grpo
+    from wmrl.fidelity import replay_check
+    from wmrl.run.post_train import ContextStarts, load_policy, make_imagination_env, make_sim_env
+
+    policy, _ = load_policy(bc_ckpt, str(c.device))
+    policy.eval()
+    if gcfg.get("rl_sampler"):
+        policy.sampler = hydra.utils.instantiate(gcfg.rl_sampler)
+    g = int(gcfg.grpo.group_size)
+    n_init = gcfg.starts.get("n_init") or min(suite.num_init_states(t, "train") for t in tasks)
+    starts = grpo.InitStateStarts(tasks, n_init=int(n_init), per_task=int(c.starts_per_task), split="train",
+                                  seed=int(c.seed))(0)
+    starts = ContextStarts(None, make_sim_env(int(c.num_envs), suite=suite)).contextualize(starts)
+    kw = _container(gcfg.env.get("imagination")) or {}
+    imag = make_imagination_env(str(gcfg.env.world_model), str(gcfg.env.critic), len(starts) * g, seed=int(c.seed),
+                                device=str(c.device), **kw)
+    r = replay_check(imag, make_sim_env(int(c.num_envs), suite=suite), policy, starts, g, int(gcfg.grpo.max_chunks),
+                     generator=torch.Generator().manual_seed(int(c.seed)), progress=True)
+    log.info("imagination check: imagined success %.3f, the same actions replayed in the sim %.3f; within-group "
+             "pair accuracy %s (0.5 = chance), %d/%d groups mixed in imagination, %d in the sim",
+             r["imagined_success"], r["replayed_success"], r["pair_accuracy"], r["mixed_groups_imagined"],
+             r["groups"], r["mixed_groups_real"])
+    acc, prec = r["pair_accuracy"], r["precision"]
+    if (acc is not None and acc < 0.6) or (prec is not None and prec < 0.5):
+        log.warning("imagination check: the world model and critic reward actions that fail in the sim (pair "
+                    "accuracy %s, precision of imagined successes %s); GRPO in imagination is unlikely to improve "
+                    "real success. Train the world model longer or on more episodes (stages.worldmodel), or "
+                    "compare with env=sim (wmrl bench grpo)", acc, prec)
+    return r
+
+
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     """The main job (see module docstring). Returns the report: ``stages`` (wall time per stage),
     ``before`` / ``after`` (success per task with CIs), ``success_gain``, paths of plots, videos and
@@ -313,10 +348,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     stages.run("critic", c, _module_run("train_critic"))
     critic_ckpt = out / "critic" / "checkpoints" / "last"
 
-    # 5-7. real-sim evaluation before, GRPO in imagination, evaluation after
-    nv = int(cfg.videos.per_task)
-    before = stages.run("eval_before", OmegaConf.create({**common, "checkpoint": str(bc_ckpt)}),
-                        lambda c_, x_: _eval_policy(bc_ckpt, cfg, tasks, suite, x_.out_dir, nv))
+    # 5-8. imagination check, real-sim evaluation before, GRPO in imagination, evaluation after
     gcfg = compose_stage_config(
         "post_train",
         {**common, **_container(S.grpo), "checkpoint": str(bc_ckpt), "tasks": task_list, "suite": suite_cfg,
@@ -324,6 +356,13 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
          "refresh": {**(_container(S.grpo.get("refresh", {})) or {}), "store": str(mixed)},  # replay: the world model's data
          "env": {**_container(S.grpo.get("env", {}) or {}), "world_model": str(wm_ckpt), "critic": str(critic_ckpt)}},
         groups=["env=imagination"] + groups("grpo"))
+    fid = None
+    if int((cfg.get("imagination_check") or {}).get("starts_per_task", 0) or 0) > 0:
+        fid = stages.run("imagination_check", OmegaConf.create({**common, **_container(cfg.imagination_check)}),
+                         lambda c_, x_: _imagination_check(c_, gcfg, bc_ckpt, tasks, suite))
+    nv = int(cfg.videos.per_task)
+    before = stages.run("eval_before", OmegaConf.create({**common, "checkpoint": str(bc_ckpt)}),
+                        lambda c_, x_: _eval_policy(bc_ckpt, cfg, tasks, suite, x_.out_dir, nv))
     grep = stages.run("grpo", gcfg, _module_run("post_train"))
     grpo_ckpt = out / "grpo" / "checkpoints" / "last"
     after = stages.run("eval_after", OmegaConf.create({**common, "checkpoint": str(grpo_ckpt)}),
@@ -354,6 +393,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
                  "refresh": grep.get("refresh"),
                  "imagined_success_first": (grep.get("history") or [{}])[0].get("success_rate"),
                  "imagined_success_last": (grep.get("history") or [{}])[-1].get("success_rate")},
+        "imagination_check": fid,
         "checkpoints": {"bc": str(bc_ckpt), "worldmodel": str(wm_ckpt), "critic": str(critic_ckpt),
                         "grpo": str(grpo_ckpt)},
         "plots": plots,

@@ -1,0 +1,87 @@
+"""Imagination fidelity (wmrl.fidelity): pair statistics by hand, and open-loop replay in the real sim
+reproducing what the sim did closed loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from wmrl.fidelity import ranking_stats, replay_actions, replay_check
+from wmrl.types import PolicySample, Start
+
+
+def test_ranking_stats_counts_pairs_by_hand():
+    # group 0: real [1, 0, 0], imagined [1, 1, 0] -> pairs (0,1) tied, (0,2) right
+    # group 1: real [0, 1], imagined [1, 0]       -> pair wrong
+    # group 2: real [1, 1], imagined [0, 1]       -> no real-discordant pair
+    im = np.array([1, 1, 0, 1, 0, 0, 1], bool)
+    re = np.array([1, 0, 0, 0, 1, 1, 1], bool)
+    g = np.array([0, 0, 0, 1, 1, 2, 2])
+    s = ranking_stats(im, re, g)
+    assert (s["pairs"], s["pairs_right"], s["pairs_tied"], s["pairs_wrong"]) == (3, 1, 1, 1)
+    assert s["pair_accuracy"] == pytest.approx(0.5)
+    assert s["agreement"] == pytest.approx(3 / 7)
+    assert s["precision"] == pytest.approx(2 / 4) and s["recall"] == pytest.approx(2 / 4)
+    assert (s["mixed_groups_imagined"], s["mixed_groups_real"], s["groups"]) == (3, 2, 3)
+    assert ranking_stats(np.zeros(4), np.zeros(4), np.zeros(4))["pair_accuracy"] is None
+    with pytest.raises(ValueError, match="one length"):
+        ranking_stats(np.zeros(3), np.zeros(4), np.zeros(4))
+
+
+@pytest.fixture(scope="module")
+def expert_episode():
+    from sim.collect import collect_episodes
+    from sim.suite import Suite
+
+    suite = Suite(tasks=["lift_red"], image_size=(32, 32))
+    ep = next(collect_episodes(suite, 1, noise=0.0, seed=0))
+    assert ep.success
+    return suite, ep
+
+
+def _chunks(actions: np.ndarray, h: int = 8) -> torch.Tensor:
+    n = -(-len(actions) // h) * h
+    a = np.concatenate([actions, np.repeat(actions[-1:], n - len(actions), 0)])
+    return torch.from_numpy(a).float().reshape(-1, h, a.shape[-1])
+
+
+def _never_grasp(chunks: torch.Tensor) -> torch.Tensor:
+    out = chunks.clone()
+    out[..., -1] = -1.0          # gripper command: open
+    return out
+
+
+def test_replay_reproduces_the_expert_and_a_broken_copy_fails(expert_episode):
+    suite, ep = expert_episode
+    start = Start(task_name="lift_red", instruction=ep.instruction, sim_state=ep.sim_states[0], split="train")
+    good = _chunks(ep.actions)
+    env = suite.make_env(2)
+    ok = replay_actions(env, [start, start, start], [good, _never_grasp(good), good[:2]])
+    assert ok.tolist() == [True, False, False]     # 2 chunks are too few to lift
+    with pytest.raises(ValueError, match="starts"):
+        replay_actions(env, [start], [good, good])
+
+
+class _ScriptedPolicy:
+    """Slot 0 of every batch plays the expert's chunks, slot 1 the same chunks with the gripper open."""
+
+    def __init__(self, chunks: torch.Tensor):
+        self.chunks, self.n = chunks, 0
+
+    def sample(self, obs, generator=None):
+        c = self.chunks[min(self.n, len(self.chunks) - 1)]
+        self.n += 1
+        acts = torch.stack([c, _never_grasp(c[None])[0]])
+        return PolicySample(acts, torch.zeros(2))
+
+
+def test_replay_check_with_the_sim_as_imagination_agrees_exactly(expert_episode):
+    suite, ep = expert_episode
+    start = Start(task_name="lift_red", instruction=ep.instruction, sim_state=ep.sim_states[0], split="train")
+    good = _chunks(ep.actions)
+    r = replay_check(suite.make_env(2), suite.make_env(1), _ScriptedPolicy(good), [start], group_size=2,
+                     max_chunks=len(good) + 2)
+    assert r["n"] == 2 and r["imagined_success"] == 0.5 and r["replayed_success"] == 0.5
+    assert r["agreement"] == 1.0 and r["pairs"] == 1 and r["pair_accuracy"] == 1.0
+    assert r["per_task"] == {"lift_red": {"imagined": 0.5, "replayed": 0.5, "n": 2}}

@@ -1,0 +1,159 @@
+"""Does imagination rank a policy's rollouts the way the real simulator does?
+
+GRPO in imagination only improves the real policy when, within a group (several rollouts from one
+start), the imagined outcome orders the rollouts as the real world would. :func:`replay_check`
+measures exactly that: it rolls the policy out in an ``ImaginationEnv`` (closed loop on imagined
+frames), then replays every imagined rollout's action chunks *open loop* in a ``SimEnv`` from the
+same MuJoCo state, and compares imagined with replayed success rollout by rollout.
+
+Open-loop replay is a strict test (a closed-loop policy in the sim would correct small deviations),
+but it is the one that asks the question GRPO relies on: "were the actions that imagination rewarded
+actions that succeed?". The sim replays deterministically: replaying a sim rollout's own actions in
+the sim reproduces its outcome exactly (checked in ``tests/test_fidelity.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from wmrl.grpo import collect_groups, expand_starts
+from wmrl.interfaces import ChunkEnv, Policy
+from wmrl.types import Start
+
+
+@torch.no_grad()
+def replay_actions(sim_env: ChunkEnv, starts: Sequence[Start], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Execute fixed action chunks open loop from ``starts`` (each needs ``sim_state`` or ``init_index``).
+
+    Args:
+        sim_env: a ``ChunkEnv`` that resets to a ``Start``'s MuJoCo state (``sim.env.SimEnv``).
+        starts: ``M`` starts. chunks: ``M`` tensors ``float32 (N_i, H, D_a)``, ``N_i >= 1``: the
+            chunks of rollout ``i``, executed in order; the replay of ``i`` stops after ``N_i``
+            chunks or when the env ends its episode.
+
+    Returns:
+        ``bool (M,)``: whether each replay succeeded within its ``N_i`` chunks.
+
+    Raises:
+        ValueError: ``len(starts) != len(chunks)`` or a rollout without chunks.
+    """
+    if len(starts) != len(chunks):
+        raise ValueError(f"replay_actions got {len(starts)} starts and {len(chunks)} action sequences")
+    if any(c.ndim != 3 or c.shape[0] < 1 for c in chunks):
+        raise ValueError("every action sequence must be float32 (N_i >= 1, H, D_a)")
+    b = sim_env.num_envs
+    out = torch.zeros(len(starts), dtype=torch.bool)
+    for lo in range(0, len(starts), b):
+        idx = list(range(lo, min(lo + b, len(starts))))
+        st = [starts[i] for i in idx] + [starts[idx[-1]]] * (b - len(idx))
+        seqs = [chunks[i] for i in idx] + [chunks[idx[-1]]] * (b - len(idx))
+        lengths = torch.tensor([s.shape[0] for s in seqs])
+        sim_env.reset(st)
+        alive = torch.arange(b) < len(idx)
+        success = torch.zeros(b, dtype=torch.bool)
+        for n in range(int(lengths.max())):
+            alive &= lengths > n
+            if not alive.any():
+                break
+            acts = torch.stack([s[min(n, s.shape[0] - 1)] for s in seqs]).float()
+            res = sim_env.step(acts)
+            success |= alive & torch.as_tensor(res.success, dtype=torch.bool).reshape(b)
+            alive &= ~torch.as_tensor(res.done, dtype=torch.bool).reshape(b)
+        out[idx] = success[: len(idx)]
+    return out
+
+
+def ranking_stats(imagined: np.ndarray, real: np.ndarray, group_ids: np.ndarray) -> dict:
+    """Agreement of imagined and real binary outcomes of the same rollouts.
+
+    Args:
+        imagined, real: ``bool`` or ``{0, 1}`` arrays ``(M,)``; group_ids: ``int (M,)``.
+
+    Returns dict:
+        ``agreement`` (fraction of rollouts with the same outcome), ``precision`` (fraction of
+        imagined successes that are real successes; ``None`` without imagined successes),
+        ``recall`` (fraction of real successes imagination also calls successes; ``None`` without),
+        ``pairs`` (within-group pairs whose real outcomes differ) and how imagination orders them:
+        ``pairs_right`` / ``pairs_tied`` / ``pairs_wrong``; ``pair_accuracy`` (right + half the ties,
+        over pairs; 0.5 is chance, ``None`` without pairs), ``mixed_groups_imagined`` /
+        ``mixed_groups_real`` (groups with both outcomes: the only groups that give GRPO a
+        gradient), ``groups``.
+    """
+    im = np.asarray(imagined, dtype=float)
+    re = np.asarray(real, dtype=float)
+    gi = np.asarray(group_ids)
+    if not (im.shape == re.shape == gi.shape) or im.ndim != 1:
+        raise ValueError(f"imagined, real and group_ids must be (M,) arrays of one length, got {im.shape}, "
+                         f"{re.shape}, {gi.shape}")
+    right = tied = wrong = 0
+    mixed_i = mixed_r = 0
+    groups = np.unique(gi)
+    for g in groups:
+        m = gi == g
+        a, r = im[m], re[m]
+        mixed_i += int(0 < a.mean() < 1)
+        mixed_r += int(0 < r.mean() < 1)
+        hi, lo = a[r == 1], a[r == 0]
+        if len(hi) and len(lo):
+            diff = hi[:, None] - lo[None, :]
+            right += int((diff > 0).sum())
+            tied += int((diff == 0).sum())
+            wrong += int((diff < 0).sum())
+    pairs = right + tied + wrong
+    return {
+        "agreement": float((im == re).mean()) if len(im) else None,
+        "precision": float(re[im == 1].mean()) if (im == 1).any() else None,
+        "recall": float(im[re == 1].mean()) if (re == 1).any() else None,
+        "pairs": pairs, "pairs_right": right, "pairs_tied": tied, "pairs_wrong": wrong,
+        "pair_accuracy": (right + 0.5 * tied) / pairs if pairs else None,
+        "mixed_groups_imagined": mixed_i, "mixed_groups_real": mixed_r, "groups": int(len(groups)),
+    }
+
+
+def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, starts: Sequence[Start],
+                 group_size: int, max_chunks: int, generator: torch.Generator | None = None,
+                 progress: bool = False) -> dict:
+    """Imagined rollouts of ``policy`` (``group_size`` per start, as GRPO collects them) and their
+    open-loop replay in the sim.
+
+    Args:
+        imagination_env: an ``ImaginationEnv``; starts need real ``context`` frames.
+        sim_env: the real sim; starts need ``sim_state`` or ``init_index`` (the state the context
+            frames were rendered from).
+        policy: the policy as GRPO samples it (its RL sampler).
+        max_chunks: imagined horizon in chunks (GRPO's ``max_chunks``).
+
+    Returns:
+        ``{"imagined_success", "replayed_success", "n", "per_task": {task: {"imagined", "replayed",
+        "n"}}, **ranking_stats(...)}`` (see :func:`ranking_stats`).
+    """
+    rollouts = collect_groups(imagination_env, policy, starts, group_size, max_chunks, generator=generator,
+                              progress=progress)
+    all_starts, _ = expand_starts(starts, group_size)
+    seq_starts, seqs, imagined, gids = [], [], [], []
+    k = 0
+    for ro in rollouts:
+        acts = torch.stack([s.actions for s in ro.samples], 1)          # (B, N, H, D_a)
+        for j in range(ro.group_ids.shape[0]):
+            if ro.group_ids[j] < 0:
+                continue
+            n_j = int(ro.alive[j].sum())
+            seq_starts.append(all_starts[k])
+            seqs.append(acts[j, :n_j])
+            imagined.append(bool(ro.success[j]))
+            gids.append(int(ro.group_ids[j]))
+            k += 1
+    replayed = replay_actions(sim_env, seq_starts, seqs).numpy()
+    imagined_a = np.asarray(imagined)
+    gids_a = np.asarray(gids)
+    tasks = [s.task_name for s in seq_starts]
+    per_task = {}
+    for t in dict.fromkeys(tasks):
+        m = np.asarray([x == t for x in tasks])
+        per_task[t] = {"imagined": float(imagined_a[m].mean()), "replayed": float(replayed[m].mean()),
+                       "n": int(m.sum())}
+    return {"imagined_success": float(imagined_a.mean()), "replayed_success": float(replayed.mean()),
+            "n": int(len(imagined_a)), "per_task": per_task, **ranking_stats(imagined_a, replayed, gids_a)}

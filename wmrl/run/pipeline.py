@@ -9,10 +9,13 @@ each is a ``run(cfg, ctx)`` of its entry-point module, called in process):
 3. ``bc_rollouts``  real-sim rollouts of the BC policy from train init states -> EpisodeStore
 4. ``worldmodel`` / ``critic``  trained on demos + BC rollouts (``wmrl train-worldmodel`` / ``train-critic``;
    the critic also on frames of this world model, ``stages.critic.imagined``)
-5. ``eval_before``  real-sim success of the BC policy on the held-out (eval) init states
-6. ``grpo``         GRPO in imagination (``wmrl post-train env=imagination``)
-7. ``eval_after``   real-sim success of the post-trained policy on the same held-out init states
-8. ``report.json`` (wall time per stage, success per task before/after with Wilson 95 % CIs), plots
+5. ``imagination_check``  the BC policy's imagined rollouts (GRPO's groups, sampler and horizon)
+   replayed open loop in the sim: does imagination reward actions that work? (``wmrl.fidelity``;
+   ``imagination_check.starts_per_task=0`` skips it)
+6. ``eval_before``  real-sim success of the BC policy on the held-out (eval) init states
+7. ``grpo``         GRPO in imagination (``wmrl post-train env=imagination``)
+8. ``eval_after``   real-sim success of the post-trained policy on the same held-out init states
+9. ``report.json`` (wall time per stage, success per task before/after with Wilson 95 % CIs), plots
    (``success_before_after.png``, ``imagined_vs_real.png``) and videos (``videos/*.mp4``).
 
 ``preset=debug`` shrinks every stage so that the whole loop runs in about a minute (tests).

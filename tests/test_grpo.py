@@ -142,6 +142,16 @@ def test_rollout_alive_mask_and_rewards():
     assert torch.allclose(r2, r + 2.0 * s.float())
 
 
+def test_rollout_chunk_limits_stop_slots_early():
+    env = ToyReachEnv(num_envs=3, max_steps=40)
+    pol = GaussianChunkPolicy()
+    starts = toy_starts(1) + toy_starts(1)[:1]
+    ro = grpo.rollout_batch(env, pol, starts, torch.tensor([0, 1, 2]), max_chunks=6,
+                            generator=torch.Generator().manual_seed(0), chunk_limits=torch.tensor([1, 3, 6]))
+    assert ro.alive.sum(1).tolist() == [1, 3, 6]
+    assert torch.all(ro.rewards[~ro.alive] == 0)
+
+
 def test_recomputed_log_prob_matches_and_ratio_is_one():
     env = ToyReachEnv(num_envs=8)
     pol = GaussianChunkPolicy()

@@ -19,9 +19,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from wmrl.grpo import collect_groups, expand_starts
+from wmrl.grpo import collect_groups, rollout_batch
 from wmrl.interfaces import ChunkEnv, Policy
-from wmrl.types import Start
+from wmrl.types import PolicySample, Start
 
 
 @torch.no_grad()
@@ -48,21 +48,19 @@ def replay_actions(sim_env: ChunkEnv, starts: Sequence[Start], chunks: Sequence[
     out = torch.zeros(len(starts), dtype=torch.bool)
     for lo in range(0, len(starts), b):
         idx = list(range(lo, min(lo + b, len(starts))))
-        st = [starts[i] for i in idx] + [starts[idx[-1]]] * (b - len(idx))
-        seqs = [chunks[i] for i in idx] + [chunks[idx[-1]]] * (b - len(idx))
+        pad = b - len(idx)
+        st = [starts[i] for i in idx] + [starts[idx[-1]]] * pad
+        seqs = [chunks[i].float() for i in idx] + [chunks[idx[-1]].float()] * pad
         lengths = torch.tensor([s.shape[0] for s in seqs])
-        sim_env.reset(st)
-        alive = torch.arange(b) < len(idx)
-        success = torch.zeros(b, dtype=torch.bool)
-        for n in range(int(lengths.max())):
-            alive &= lengths > n
-            if not alive.any():
-                break
-            acts = torch.stack([s[min(n, s.shape[0] - 1)] for s in seqs]).float()
-            res = sim_env.step(acts)
-            success |= alive & torch.as_tensor(res.success, dtype=torch.bool).reshape(b)
-            alive &= ~torch.as_tensor(res.done, dtype=torch.bool).reshape(b)
-        out[idx] = success[: len(idx)]
+        ids = torch.cat([torch.arange(len(idx)), torch.full((pad,), -1, dtype=torch.long)])
+
+        def fn(n, obs, seqs=seqs):
+            acts = torch.stack([s[min(n, s.shape[0] - 1)] for s in seqs])
+            return PolicySample(acts, torch.zeros(len(seqs)))
+
+        ro = rollout_batch(sim_env, None, st, ids, int(lengths.max()), actions_fn=fn,  # type: ignore[arg-type]
+                           chunk_limits=lengths)
+        out[idx] = ro.success[: len(idx)]
     return out
 
 
@@ -132,20 +130,16 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
     """
     rollouts = collect_groups(imagination_env, policy, starts, group_size, max_chunks, generator=generator,
                               progress=progress)
-    all_starts, _ = expand_starts(starts, group_size)
     seq_starts, seqs, imagined, gids = [], [], [], []
-    k = 0
     for ro in rollouts:
         acts = torch.stack([s.actions for s in ro.samples], 1)          # (B, N, H, D_a)
-        for j in range(ro.group_ids.shape[0]):
-            if ro.group_ids[j] < 0:
+        for j, g in enumerate(ro.group_ids.tolist()):
+            if g < 0:
                 continue
-            n_j = int(ro.alive[j].sum())
-            seq_starts.append(all_starts[k])
-            seqs.append(acts[j, :n_j])
+            seq_starts.append(starts[g])                                 # group g is starts[g]
+            seqs.append(acts[j, :int(ro.alive[j].sum())])
             imagined.append(bool(ro.success[j]))
-            gids.append(int(ro.group_ids[j]))
-            k += 1
+            gids.append(g)
     replayed = replay_actions(sim_env, seq_starts, seqs).numpy()
     imagined_a = np.asarray(imagined)
     gids_a = np.asarray(gids)

@@ -237,7 +237,8 @@ def expand_starts(starts: Sequence[Start], group_size: int) -> tuple[list[Start]
 @torch.no_grad()
 def rollout_batch(env: ChunkEnv, policy: Policy, starts: Sequence[Start], group_ids: torch.Tensor,
                   max_chunks: int, generator: torch.Generator | None = None,
-                  actions_fn: Callable[[int, Obs], PolicySample] | None = None) -> Rollout:
+                  actions_fn: Callable[[int, Obs], PolicySample] | None = None,
+                  chunk_limits: torch.Tensor | None = None) -> Rollout:
     """One batch of chunk-level rollouts, ``len(starts) == env.num_envs``.
 
     A slot is alive from the reset until (and including) the chunk in which it terminates or is
@@ -249,6 +250,8 @@ def rollout_batch(env: ChunkEnv, policy: Policy, starts: Sequence[Start], group_
         policy: samples ``PolicySample`` (actions ``(B, H, D_a)``, log_prob ``(B,)``, extras).
         group_ids: ``int64 (B,)``; ``-1`` marks padding slots (never alive).
         actions_fn: optional ``(n, obs) -> PolicySample`` replacing the policy (open-loop replay).
+        chunk_limits: optional ``int64 (B,)``: slot ``b`` stops after ``chunk_limits[b]`` chunks even
+            if its episode goes on (replaying recorded rollouts of different lengths).
 
     Returns:
         ``Rollout`` with ``rewards (B, N)``, ``alive (B, N)``, ``success (B,)``, ``group_ids (B,)``.
@@ -261,6 +264,8 @@ def rollout_batch(env: ChunkEnv, policy: Policy, starts: Sequence[Start], group_
     success = torch.zeros(b, dtype=torch.bool)
     obs_list, samples, rewards, alive_list = [], [], [], []
     for n in range(max_chunks):
+        if chunk_limits is not None:
+            alive &= chunk_limits > n
         if not alive.any():
             break
         sample = actions_fn(n, obs) if actions_fn is not None else policy.sample(obs, generator=generator)

@@ -257,11 +257,12 @@ def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: di
     n_init = gcfg.starts.get("n_init") or min(suite.num_init_states(t, "train") for t in tasks)
     starts = grpo.InitStateStarts(tasks, n_init=int(n_init), per_task=int(c.starts_per_task), split="train",
                                   seed=int(c.seed))(0)
-    starts = ContextStarts(None, make_sim_env(int(c.num_envs), suite=suite)).contextualize(starts)
+    sim_env = make_sim_env(int(c.num_envs), suite=suite)        # renders the context frames, then replays
+    starts = ContextStarts(None, sim_env).contextualize(starts)
     kw = _container(gcfg.env.get("imagination")) or {}
     imag = make_imagination_env(str(gcfg.env.world_model), str(gcfg.env.critic), len(starts) * g, seed=int(c.seed),
                                 device=str(c.device), **kw)
-    r = replay_check(imag, make_sim_env(int(c.num_envs), suite=suite), policy, starts, g, int(gcfg.grpo.max_chunks),
+    r = replay_check(imag, sim_env, policy, starts, g, int(gcfg.grpo.max_chunks),
                      generator=torch.Generator().manual_seed(int(c.seed)), progress=True)
     log.info("imagination check: imagined success %.3f, the same actions replayed in the sim %.3f; within-group "
              "pair accuracy %s (0.5 = chance), %d/%d groups mixed in imagination, %d in the sim",

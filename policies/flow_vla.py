@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from policies.action_space import as_action_space, clip_to_space
-from policies.samplers import EulerODESampler, SDESampler, sample_extras
+from policies.samplers import EulerODESampler, SDESampler, check_sample_extras, sample_extras
 from policies.text import EMBED_DIM, encode_instructions
 from wmrl.storage import Normalizer, masked_mse
 from wmrl.types import AGENTVIEW, EYE_IN_HAND, Obs, PolicySample
@@ -361,21 +361,51 @@ class FlowVLAPolicy(nn.Module):
 
     def log_prob(self, obs: Obs, sample: PolicySample, per_step: bool = False) -> torch.Tensor:
         """Differentiable ``float32 (B,)`` log-density of ``sample.extras["chain"]`` under the current
-        parameters (see ``policies.samplers.SDESampler``); ``per_step=True``: the ``K`` denoising
-        transitions' log-densities ``float32 (B, K)``. Raises ``ValueError`` if the policy's sampler is
-        not stochastic, the sample has no chain, or it was drawn with another noise level."""
+        parameters (see ``policies.samplers.SDESampler``); ``per_step=True``: the sampler's ``m``
+        stochastic denoising transitions' log-densities ``float32 (B, m)`` (``m = K`` by default).
+        Raises ``ValueError`` if the policy's sampler is not stochastic, the sample has no chain, or it
+        was drawn with another noise level or number of stochastic steps."""
         if not getattr(self.sampler, "stochastic", False):
             raise ValueError("log_prob needs a stochastic sampler: set policy.sampler = "
                              "policies.samplers.SDESampler(num_steps, noise_level) before sampling")
         chain = sample.extras.get("chain")
         if chain is None:
             raise ValueError("sample has no extras['chain']; it was not drawn with an SDE sampler")
-        nl = sample.extras.get("noise_level")
-        if nl is not None and not torch.allclose(nl.float().cpu(), torch.tensor(self.sampler.noise_level)):
-            raise ValueError(f"sample drawn with noise_level {float(nl.flatten()[0])}, the policy's sampler "
-                             f"has {self.sampler.noise_level}")
+        check_sample_extras(self.sampler, sample.extras)
         vf = self._velocity_fn(obs)
         return self.sampler.log_prob(vf, chain.to(self.device), per_step=per_step)
+
+
+    def flow_matching_loss(self, obs: Obs, sample: PolicySample, t: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        """Per-sample conditional flow-matching loss of the sampled chunk, differentiable in the network:
+        the quantity whose change FPO turns into a likelihood-ratio estimate (McAllister et al. 2025,
+        "Flow Matching Policy Gradients", arXiv 2507.21053, eq. 8-9: ``log r ~ L_old - L_new``).
+
+        Args:
+            obs: batch ``B`` of the observations the chunks were sampled from.
+            sample: the ``PolicySample``; its recorded chain's end ``extras["chain"][:, -1]`` is the
+                normalised, pre-clip chunk ``x_0`` ``float32 (B, H, D_a)``.
+            t: ``float32 (B, N)`` flow times in ``(0, 1]``; eps: ``float32 (B, N, H, D_a)`` noise draws
+                (the same draws must be used for the old and the new parameters).
+
+        Returns ``float32 (B,)``: ``mean_n sum_{H, D_a} ||v(x_t, t) - (eps - x_0)||^2`` with
+        ``x_t = (1 - t) x_0 + t eps``. Raises ``ValueError`` when the sample has no chain (draw it with a
+        sampler that records one, e.g. ``SDESampler``) or the draws do not fit it.
+        """
+        chain = sample.extras.get("chain")
+        if chain is None:
+            raise ValueError("flow_matching_loss needs sample.extras['chain'] (sample with policies.samplers.SDESampler)")
+        x0 = chain[:, -1].to(self.device).float()
+        if t.ndim != 2 or t.shape[0] != x0.shape[0] or eps.shape != (x0.shape[0], t.shape[1], *x0.shape[1:]):
+            raise ValueError(f"t {tuple(t.shape)} / eps {tuple(eps.shape)} do not fit chunks {tuple(x0.shape)}: "
+                             "expected (B, N) and (B, N, H, D_a)")
+        vf = self._velocity_fn(obs)
+        losses = []
+        for j in range(t.shape[1]):
+            tj, ej = t[:, j].to(self.device), eps[:, j].to(self.device)
+            xt = (1 - tj)[:, None, None] * x0 + tj[:, None, None] * ej
+            losses.append((vf(xt, tj) - (ej - x0)).pow(2).flatten(1).sum(1))
+        return torch.stack(losses, 1).mean(1)
 
 
 def build_sampler(kind: str = "ode", num_steps: int = 10, noise_level: float = 0.5):

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from policies.action_space import as_action_space, clip_to_space
-from policies.samplers import EulerODESampler, sample_extras
+from policies.samplers import EulerODESampler, check_sample_extras, sample_extras
 from wmrl.storage import Normalizer
 from wmrl.types import AGENTVIEW, EYE_IN_HAND, Obs, PolicySample
 
@@ -277,6 +277,7 @@ class LeRobotFlowPolicy(nn.Module):
         chain = sample.extras.get("chain")
         if chain is None:
             raise ValueError("sample has no extras['chain']; it was not drawn with an SDE sampler")
+        check_sample_extras(self.sampler, sample.extras)
         vf, _ = self._velocity(obs)
         return self.sampler.log_prob(vf, chain.to(self.device), per_step=per_step)
 

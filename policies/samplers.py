@@ -26,13 +26,20 @@ score of the linear path ``grad log p_t(x) = -(x + (1 - t) v) / t`` and step ``h
     x_{k+1} = mean_k + sigma_k * sqrt(h) * z,    z ~ N(0, I)
 
 ``a`` is the **noise level** (``noise_level``, Flow-GRPO's ``a``; default 0.5): ``a = 0`` gives back the
-ODE sampler, larger ``a`` explores more. Every transition is an isotropic Gaussian, so the chain
+ODE sampler, larger ``a`` explores more.
+
+With ``noise_steps = m < K`` only the first ``m`` transitions are stochastic and the rest are plain
+Euler ODE steps (the stochastic window of MixGRPO, Li et al. 2025, arXiv 2507.21802, and
+Flow-GRPO-Fast): the policy explores in the high-noise part of the chain, where a transition's std is
+about ``a`` per dimension, and the chain's log-prob (and GRPO's ratios) covers only those ``m``
+transitions; the late, low-noise transitions (std ``~ a * sqrt(t h)``) make per-step ratios jump with
+tiny parameter changes, and without them ``log_prob`` also costs ``m`` instead of ``K`` network calls. Every transition is an isotropic Gaussian, so the chain
 ``x_0 .. x_K`` (here indexed by sampler step, ``chain[:, 0]`` is the initial noise, ``chain[:, K]``
 the normalised action chunk) has the exact log-density::
 
     log p(chain) = log N(chain[:, 0]; 0, I) + sum_k log N(chain[:, k+1]; mean_k(chain[:, k]), sigma_k^2 h I)
 
-summed over ``H x D_a`` and the ``K`` transitions. The prior term does not depend on the network, so
+summed over ``H x D_a`` and the ``K`` (or ``m``) stochastic transitions. The prior term does not depend on the network, so
 probability ratios (GRPO) are those of the transitions. ``log_prob`` recomputes the means from the
 recorded chain with the current network (teacher forcing), so it is differentiable in the network's
 parameters; it follows exactly the computation done while sampling (same batch, same order of
@@ -72,13 +79,28 @@ class SamplerOutput:
 
 def sample_extras(sampler, out: SamplerOutput, batch_size: int, device) -> dict[str, torch.Tensor]:
     """``PolicySample.extras`` of one sampler call: ``chain`` ``(B, K+1, H, D_a)`` when recorded and,
-    for a stochastic sampler, ``noise_level`` ``(B,)`` (checked again by ``log_prob``)."""
+    for a stochastic sampler, ``noise_level`` ``float32 (B,)`` and ``noise_steps`` ``int64 (B,)``
+    (checked again by :func:`check_sample_extras` before ``log_prob``)."""
     extras: dict[str, torch.Tensor] = {}
     if out.chain is not None:
         extras["chain"] = out.chain
     if getattr(sampler, "stochastic", False):
         extras["noise_level"] = torch.full((batch_size,), sampler.noise_level, device=device)
+        extras["noise_steps"] = torch.full((batch_size,), sampler.stochastic_steps, device=device, dtype=torch.long)
     return extras
+
+
+def check_sample_extras(sampler, extras: dict[str, torch.Tensor]) -> None:
+    """Raise ``ValueError`` when a recorded chain was drawn with another ``noise_level`` or number of
+    stochastic steps than ``sampler`` has (its log-prob would be of a different chain distribution)."""
+    nl = extras.get("noise_level")
+    if nl is not None and not torch.allclose(nl.float().cpu(), torch.tensor(float(sampler.noise_level))):
+        raise ValueError(f"sample drawn with noise_level {float(nl.flatten()[0])}, the policy's sampler "
+                         f"has {sampler.noise_level}")
+    ns = extras.get("noise_steps")
+    if ns is not None and bool((ns.cpu() != sampler.stochastic_steps).any()):
+        raise ValueError(f"sample drawn with {int(ns.flatten()[0])} stochastic steps, the policy's sampler "
+                         f"has {sampler.stochastic_steps} (noise_steps={sampler.noise_steps})")
 
 
 def time_grid(num_steps: int, device=None) -> torch.Tensor:
@@ -171,6 +193,12 @@ class SDESampler:
             SDE then has the flow's marginals). ``0`` starts from the prior mean, like the evaluation
             sampler ``EulerODESampler(noise_scale=0)``, so the exploration comes from the transitions
             only and the RL policy explores around the behaviour that is evaluated.
+        noise_steps: ``m`` in ``1..K``: only the first ``m`` transitions are stochastic, the others
+            deterministic Euler steps (``None``: all ``K``). ``log_prob`` then covers the ``m``
+            stochastic transitions (``per_step=True``: ``(B, m)``).
+
+    Raises ``ValueError`` for ``num_steps < 1``, ``noise_level <= 0``, ``init_scale < 0`` or
+    ``noise_steps`` outside ``1..num_steps``.
 
     ``sample`` returns the chain ``(B, K+1, H, D_a)`` and its log-prob; ``log_prob(velocity_fn, chain)``
     recomputes the log-prob of a recorded chain, differentiably in the velocity network.
@@ -179,7 +207,7 @@ class SDESampler:
     stochastic = True
 
     def __init__(self, num_steps: int = 10, noise_level: float = 0.5, include_prior: bool = True,
-                 init_scale: float = 1.0):
+                 init_scale: float = 1.0, noise_steps: int | None = None):
         if float(init_scale) < 0:
             raise ValueError(f"SDESampler.init_scale must be >= 0, got {init_scale}")
         if int(num_steps) < 1:
@@ -187,10 +215,19 @@ class SDESampler:
         if not float(noise_level) > 0:
             raise ValueError(f"SDESampler.noise_level must be > 0 (got {noise_level}); "
                              "use EulerODESampler for deterministic sampling")
+        if noise_steps is not None and not 1 <= int(noise_steps) <= int(num_steps):
+            raise ValueError(f"SDESampler.noise_steps must be in 1..num_steps={num_steps} (or null for all), "
+                             f"got {noise_steps}")
         self.num_steps = int(num_steps)
         self.noise_level = float(noise_level)
         self.include_prior = bool(include_prior)
         self.init_scale = float(init_scale)
+        self.noise_steps = int(noise_steps) if noise_steps is not None else None
+
+    @property
+    def stochastic_steps(self) -> int:
+        """``m``: the number of leading stochastic transitions (``K`` unless ``noise_steps`` is set)."""
+        return self.num_steps if self.noise_steps is None else self.noise_steps
 
     # ------------------------------------------------------------------ the transition kernel
     def _sigmas(self, ts: torch.Tensor) -> list[float]:
@@ -224,11 +261,15 @@ class SDESampler:
         ts = time_grid(self.num_steps, device=x.device)
         sigmas = self._sigmas(ts)
         chain = [x]
+        m = self.stochastic_steps
         with torch.no_grad():
             for k in range(self.num_steps):
                 v = velocity_fn(x, ts[k].expand(x.shape[0]))
-                mean, std = self.transition(x, v, k, ts, sigmas)
-                x = mean + std * _noise(x.shape, generator, x.device, x.dtype)
+                if k < m:
+                    mean, std = self.transition(x, v, k, ts, sigmas)
+                    x = mean + std * _noise(x.shape, generator, x.device, x.dtype)
+                else:
+                    x = x + (ts[k + 1] - ts[k]) * v
                 chain.append(x)
             chain_t = torch.stack(chain, 1)
             lp = self.log_prob(velocity_fn, chain_t)
@@ -237,8 +278,8 @@ class SDESampler:
     def log_prob(self, velocity_fn: VelocityFn, chain: torch.Tensor, per_step: bool = False) -> torch.Tensor:
         """Exact log-density ``float32 (B,)`` of ``chain`` ``(B, K+1, H, D_a)`` under ``velocity_fn``.
 
-        With ``per_step=True`` it returns the ``K`` transition log-densities ``float32 (B, K)``
-        (without the parameter-free prior): Flow-GRPO's per-denoising-step ratios (Liu et al. 2025,
+        With ``per_step=True`` it returns the log-densities of the stochastic transitions
+        ``float32 (B, m)`` (``m = K`` unless ``noise_steps`` is set; without the parameter-free prior): Flow-GRPO's per-denoising-step ratios (Liu et al. 2025,
         "Flow-GRPO", Eq. 8 sums the clipped surrogate over the steps of the chain).
 
         Raises ``ValueError`` if the chain has not ``K+1`` steps.
@@ -249,7 +290,7 @@ class SDESampler:
         ts = time_grid(self.num_steps, device=chain.device)
         sigmas = self._sigmas(ts)
         steps = []
-        for k in range(self.num_steps):
+        for k in range(self.stochastic_steps):
             x = chain[:, k]
             v = velocity_fn(x, ts[k].expand(x.shape[0]))
             mean, std = self.transition(x, v, k, ts, sigmas)
@@ -264,4 +305,6 @@ class SDESampler:
         return lp.float()
 
     def __repr__(self) -> str:
-        return f"SDESampler(num_steps={self.num_steps}, noise_level={self.noise_level}, init_scale={self.init_scale})"
+        extra = f", noise_steps={self.noise_steps}" if self.noise_steps is not None else ""
+        return (f"SDESampler(num_steps={self.num_steps}, noise_level={self.noise_level}, "
+                f"init_scale={self.init_scale}{extra})")

@@ -70,6 +70,8 @@ def policy_checkpoint_config(policy) -> dict:
     sc = {"_target_": f"{type(s).__module__}.{type(s).__qualname__}", "num_steps": s.num_steps}
     if getattr(s, "stochastic", False):
         sc["noise_level"] = s.noise_level
+        if getattr(s, "noise_steps", None) is not None:
+            sc["noise_steps"] = s.noise_steps
     elif getattr(s, "noise_scale", 1.0) != 1.0:
         sc["noise_scale"] = s.noise_scale
     cfg["sampler"] = sc

@@ -149,3 +149,43 @@ def test_ode_noise_scale_zero_is_deterministic_and_ignores_generator():
     assert torch.equal(a, b) and torch.equal(a[0], a[1])
     with pytest.raises(ValueError, match="noise_scale"):
         EulerODESampler(4, noise_scale=-1.0)
+
+
+def test_sde_noise_steps_explore_early_then_follow_the_ode():
+    """noise_steps=m: the first m transitions are stochastic, the rest are exactly the Euler ODE steps
+    from the last stochastic state; log_prob covers only the m stochastic transitions."""
+    net = TinyVelocity(seed=4)
+    sampler = SDESampler(num_steps=5, noise_level=0.6, init_scale=0.0, noise_steps=2)
+    out = sampler.sample(net, (6, 2, 3), generator=torch.Generator().manual_seed(3))
+    chain = out.chain
+    assert chain.shape == (6, 6, 2, 3)
+    ts = time_grid(5)
+    with torch.no_grad():
+        x = chain[:, 2]
+        for k in range(2, 5):  # the deterministic tail
+            x = x + (ts[k + 1] - ts[k]) * net(x, ts[k].expand(6))
+            assert torch.allclose(chain[:, k + 1], x, atol=1e-6)
+    assert out.x0.std(0).mean() > 0.01  # still explores
+    steps = sampler.log_prob(net, chain, per_step=True)
+    assert steps.shape == (6, 2)
+    full = SDESampler(num_steps=5, noise_level=0.6, init_scale=0.0).log_prob(net, chain, per_step=True)
+    torch.testing.assert_close(steps, full[:, :2])  # the same first two transition densities
+    assert torch.equal(torch.exp(sampler.log_prob(net, chain) - out.log_prob), torch.ones(6))
+    torch.testing.assert_close(out.log_prob.double(), steps.double().sum(1), atol=1e-4, rtol=0)
+    for bad in (0, 6):
+        with pytest.raises(ValueError, match="noise_steps"):
+            SDESampler(num_steps=5, noise_steps=bad)
+
+
+def test_policy_log_prob_refuses_a_chain_from_another_stochastic_window():
+    from policies.samplers import check_sample_extras, sample_extras
+
+    s2 = SDESampler(num_steps=4, noise_level=0.5, noise_steps=2)
+    out = s2.sample(TinyVelocity(), (3, 2, 3), generator=torch.Generator().manual_seed(0))
+    extras = sample_extras(s2, out, 3, "cpu")
+    assert extras["noise_steps"].tolist() == [2, 2, 2]
+    check_sample_extras(s2, extras)
+    with pytest.raises(ValueError, match="stochastic steps"):
+        check_sample_extras(SDESampler(num_steps=4, noise_level=0.5), extras)
+    with pytest.raises(ValueError, match="noise_level"):
+        check_sample_extras(SDESampler(num_steps=4, noise_level=0.3, noise_steps=2), extras)

@@ -268,3 +268,57 @@ def test_debiasing_in_iteration_reports_bias():
     # two chunks of +0.5 on alive slots: the bias is between 0.5 and 1.0 per rollout
     assert 0.45 < d.bias["reach_a"] <= 1.05 and "bias/reach_a" in res.stats
     assert res.stats["reward_debiased_mean"] < res.stats["reward_mean"] - 0.4
+
+
+def _fpo_batch(adv):
+    from policies.samplers import SDESampler
+    from test_policy import obs, stats, tiny_policy
+
+    torch.manual_seed(0)
+    p = tiny_policy().set_norm_stats(stats()).eval()
+    with torch.no_grad():  # leave the zero-initialised FiLM / output symmetric point
+        for q in p.parameters():
+            q.add_(0.1 * torch.randn_like(q))
+    p.sampler = SDESampler(num_steps=4, noise_level=0.5, init_scale=0.0, noise_steps=2)
+    o = obs(b=len(adv), seed=1)
+    s = p.sample(o, torch.Generator().manual_seed(2))
+    a = torch.tensor(adv, dtype=torch.float32)
+    return p, grpo.TransitionBatch(o, s, a, torch.ones_like(a))
+
+
+def test_fpo_ratio_starts_at_one_and_moves_chunks_by_advantage_sign():
+    """ratio='fpo' (FPO, McAllister et al. 2025): at unchanged parameters every ratio is exactly 1;
+    an update lowers the flow-matching loss of positive-advantage chunks and raises that of
+    negative-advantage chunks (relative to the other)."""
+    p, batch = _fpo_batch([1.0, 1.0, -1.0, -1.0])
+    cfg = grpo.GRPOConfig(ratio="fpo", fpo_samples=3, epochs=1, minibatch_size=4, max_grad_norm=1e9)
+    frozen = grpo.grpo_update(p, torch.optim.SGD(p.parameters(), lr=0.0), batch, cfg,
+                              generator=torch.Generator().manual_seed(0))
+    assert frozen["ratio_mean"] == 1.0 and frozen["ratio_max"] == 1.0 and frozen["clip_frac"] == 0.0
+
+    t = 0.001 + 0.999 * torch.rand(4, 16, generator=torch.Generator().manual_seed(5))
+    eps = torch.randn(4, 16, 4, 7, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        before = p.flow_matching_loss(batch.obs, batch.samples, t, eps)
+    opt = torch.optim.Adam(p.parameters(), lr=3e-3)
+    cfg = grpo.GRPOConfig(ratio="fpo", fpo_samples=8, epochs=5, minibatch_size=4, clip_eps=10.0)
+    st = grpo.grpo_update(p, opt, batch, cfg, generator=torch.Generator().manual_seed(0))
+    assert math.isfinite(st["loss"]) and st["approx_kl"] > 0
+    with torch.no_grad():
+        change = p.flow_matching_loss(batch.obs, batch.samples, t, eps) - before
+    assert float(change[:2].mean()) < float(change[2:].mean()) - 1e-3
+
+
+def test_fpo_errors_name_what_to_change():
+    with pytest.raises(ValueError, match="kl_coef"):
+        grpo.GRPOConfig(ratio="fpo", kl_coef=0.1)
+    with pytest.raises(ValueError, match="ratio"):
+        grpo.GRPOConfig(ratio="fpo2")
+    env = ToyReachEnv(num_envs=4)
+    pol = GaussianChunkPolicy()
+    ros = grpo.collect_groups(env, pol, toy_starts(1), group_size=4, max_chunks=2)
+    r, _, _ = grpo.rollout_returns(ros)
+    batch = grpo.build_transitions(ros, torch.ones_like(r), torch.ones_like(r, dtype=torch.bool))
+    batch.samples.extras["chain"] = torch.zeros(len(batch), 3, 4, 3)
+    with pytest.raises(ValueError, match="flow_matching_loss"):
+        grpo.grpo_update(pol, torch.optim.SGD(pol.parameters(), lr=0.1), batch, grpo.GRPOConfig(ratio="fpo"))

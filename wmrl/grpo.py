@@ -13,6 +13,10 @@ The RL math is a set of small pure functions with shape docstrings (in the style
 3. :func:`grpo_update`: epochs of PPO-style clipped surrogate (Schulman et al. 2017) on the chunk
    log-probs, recomputed with gradient, with an optional KL penalty to a frozen reference policy
    (k3 estimator, Schulman 2020 "Approximating KL divergence"), as in Flow-GRPO (Liu et al. 2025).
+   With ``ratio="fpo"`` the ratio is FPO's instead (McAllister et al. 2025, "Flow Matching Policy
+   Gradients"): ``exp(L_old - L_new)`` of the sampled chunk's conditional flow-matching loss at fixed
+   ``(t, eps)`` draws, so the update is an advantage-signed, clipped flow-matching step on the
+   executed chunks and needs no per-denoising-step Gaussian densities.
 
 World-model reward mitigations (WMRL-style, both switchable, both reported):
 
@@ -406,7 +410,11 @@ class GRPOConfig:
         success_bonus: success bonus for ``reward_mode="return+success"``.
         ratio: ``"per_step"``: one importance ratio per denoising transition of the chain, each
             clipped (Flow-GRPO, Liu et al. 2025); ``"chain"``: one ratio for the whole chain's
-            log-prob (its product over the steps, clipped far more often).
+            log-prob (its product over the steps, clipped far more often); ``"fpo"``: FPO's ratio
+            ``exp(L_old - L_new)`` of the chunk's flow-matching loss (the policy needs
+            ``flow_matching_loss``; ``kl_coef`` must be 0).
+        fpo_samples: ``(t, eps)`` draws per chunk for the FPO loss estimate (drawn once per update,
+            shared by the old and new parameters). ``t`` is uniform on ``[0.001, 1)``.
     """
 
     group_size: int = 8
@@ -421,10 +429,15 @@ class GRPOConfig:
     reward_mode: str = "return"
     success_bonus: float = 1.0
     ratio: str = "per_step"
+    fpo_samples: int = 4
 
     def __post_init__(self):
-        if self.ratio not in ("per_step", "chain"):
-            raise ValueError(f"GRPOConfig.ratio must be 'per_step' or 'chain', got {self.ratio!r}")
+        if self.ratio not in ("per_step", "chain", "fpo"):
+            raise ValueError(f"GRPOConfig.ratio must be 'per_step', 'chain' or 'fpo', got {self.ratio!r}")
+        if self.ratio == "fpo" and self.kl_coef > 0:
+            raise ValueError("GRPOConfig: ratio='fpo' has no log-probs for the KL to the reference; set kl_coef=0")
+        if int(self.fpo_samples) < 1:
+            raise ValueError(f"GRPOConfig.fpo_samples must be >= 1, got {self.fpo_samples}")
 
 
 def _old_log_probs(policy: Policy, batch: TransitionBatch, per_step: bool, chunk: int) -> torch.Tensor:
@@ -442,22 +455,53 @@ def _old_log_probs(policy: Policy, batch: TransitionBatch, per_step: bool, chunk
     return torch.cat(parts)
 
 
+def _fpo_draws(batch: TransitionBatch, n: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FPO's Monte-Carlo draws for every transition: ``t float32 (M, n)`` uniform on ``[0.001, 1)`` and
+    ``eps float32 (M, n, H, D_a)`` standard normal, shaped after the recorded chains."""
+    chain = batch.samples.extras.get("chain")
+    if chain is None:
+        raise ValueError("ratio='fpo' needs the sampled chains (extras['chain']): sample with policies.samplers.SDESampler")
+    m, shape = chain.shape[0], tuple(chain.shape[2:])
+    t = 0.001 + 0.999 * torch.rand(m, n, generator=generator)
+    eps = torch.randn(m, n, *shape, generator=generator)
+    return t, eps
+
+
+def _fpo_log_likelihood(policy: Policy, obs: Obs, samples: PolicySample, t: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """``-L_cfm`` ``float32 (B,)``: FPO's stand-in for the chunk log-likelihood (its differences are
+    log-ratio estimates)."""
+    fn = getattr(policy, "flow_matching_loss", None)
+    if fn is None:
+        raise ValueError(f"ratio='fpo' needs a flow-matching policy with flow_matching_loss(obs, sample, t, eps); "
+                         f"{type(policy).__name__} has none (use ratio=per_step)")
+    return -fn(obs, samples, t, eps)
+
+
 def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: TransitionBatch, cfg: GRPOConfig,
                 ref_policy: Policy | None = None, generator: torch.Generator | None = None) -> dict[str, float]:
     """PPO-style epochs over ``batch``; returns mean diagnostics (loss, approx_kl, clip_frac, kl_ref,
-    grad_norm, ratio stats). ``policy`` must be a ``torch.nn.Module`` whose ``log_prob`` is
-    differentiable."""
+    grad_norm, ratio stats). ``policy`` must be a ``torch.nn.Module`` whose ``log_prob`` (or, for
+    ``cfg.ratio == "fpo"``, ``flow_matching_loss``) is differentiable."""
     params = [p for p in policy.parameters() if p.requires_grad]  # type: ignore[attr-defined]
     m = len(batch)
     per_step = cfg.ratio == "per_step"
-    old_all = _old_log_probs(policy, batch, per_step, cfg.minibatch_size)
+    fpo = cfg.ratio == "fpo"
+    if fpo:
+        fpo_t, fpo_eps = _fpo_draws(batch, int(cfg.fpo_samples), generator)
+        with torch.no_grad():
+            old_all = torch.cat([
+                _fpo_log_likelihood(policy, mb.obs, mb.samples, fpo_t[idx], fpo_eps[idx]).detach()
+                for idx in torch.arange(m).split(cfg.minibatch_size) for mb in [batch.index(idx)]])
+    else:
+        old_all = _old_log_probs(policy, batch, per_step, cfg.minibatch_size)
     stats: dict[str, list[float]] = {}
     for _ in range(cfg.epochs):
         perm = torch.randperm(m, generator=generator)
         for i in range(0, m, cfg.minibatch_size):
             idx = perm[i:i + cfg.minibatch_size]
             mb = batch.index(idx)
-            new_lp = policy.log_prob(mb.obs, mb.samples, per_step=per_step)
+            new_lp = _fpo_log_likelihood(policy, mb.obs, mb.samples, fpo_t[idx], fpo_eps[idx]) if fpo \
+                else policy.log_prob(mb.obs, mb.samples, per_step=per_step)
             loss, st = clipped_surrogate_loss(new_lp, old_all[idx], mb.advantages, clip_eps=cfg.clip_eps,
                                               weights=mb.weights)
             if cfg.kl_coef > 0 and ref_policy is not None:

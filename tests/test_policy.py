@@ -222,6 +222,10 @@ def test_checkpoint_config_keeps_the_sampler(tmp_path):
     assert q.sampler.noise_scale == 0.0 and q.sampler.num_steps == 3
     p.sampler = SDESampler(5, 0.3)
     assert policy_checkpoint_config(p)["sampler"]["noise_level"] == 0.3
+    assert "noise_steps" not in policy_checkpoint_config(p)["sampler"]
+    p.sampler = SDESampler(5, 0.3, noise_steps=2)
+    save_policy(p, tmp_path / "ck_window")
+    assert load_checkpoint(tmp_path / "ck_window").sampler.noise_steps == 2
 
 
 def test_episodes_per_task_keeps_the_first_n_of_each_task():

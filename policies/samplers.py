@@ -33,16 +33,20 @@ Euler ODE steps (the stochastic window of MixGRPO, Li et al. 2025, arXiv 2507.21
 Flow-GRPO-Fast): the policy explores in the high-noise part of the chain, where a transition's std is
 about ``a`` per dimension, and the chain's log-prob (and GRPO's ratios) covers only those ``m``
 transitions; the late, low-noise transitions (std ``~ a * sqrt(t h)``) make per-step ratios jump with
-tiny parameter changes, and without them ``log_prob`` also costs ``m`` instead of ``K`` network calls. Every transition is an isotropic Gaussian, so the chain
-``x_0 .. x_K`` (here indexed by sampler step, ``chain[:, 0]`` is the initial noise, ``chain[:, K]``
-the normalised action chunk) has the exact log-density::
+tiny parameter changes, and without them ``log_prob`` also costs ``m`` instead of ``K`` network calls.
+The deterministic tail's own dependence on the parameters is left out of the log-prob (as in
+MixGRPO): the ratios are those of the stochastic window.
+
+Every stochastic transition is an isotropic Gaussian, so the chain ``x_0 .. x_K`` (here indexed by
+sampler step, ``chain[:, 0]`` is the initial noise, ``chain[:, K]`` the normalised action chunk) has
+the exact log-density::
 
     log p(chain) = log N(chain[:, 0]; 0, I) + sum_k log N(chain[:, k+1]; mean_k(chain[:, k]), sigma_k^2 h I)
 
-summed over ``H x D_a`` and the ``K`` (or ``m``) stochastic transitions. The prior term does not depend on the network, so
-probability ratios (GRPO) are those of the transitions. ``log_prob`` recomputes the means from the
-recorded chain with the current network (teacher forcing), so it is differentiable in the network's
-parameters; it follows exactly the computation done while sampling (same batch, same order of
+summed over ``H x D_a`` and the ``K`` (or ``m``) stochastic transitions. The prior term does not
+depend on the network, so probability ratios (GRPO) are those of the transitions. ``log_prob``
+recomputes the means from the recorded chain with the current network (teacher forcing), so it is
+differentiable in the network's parameters; it follows exactly the computation done while sampling (same batch, same order of
 operations), so at unchanged parameters the recomputed log-prob is bit-identical and the ratio is 1.
 The log-prob is of the **pre-clip, normalised** chain; the policy unnormalises and clips the final
 actions afterwards (a deterministic map that does not change the ratio).
@@ -279,8 +283,9 @@ class SDESampler:
         """Exact log-density ``float32 (B,)`` of ``chain`` ``(B, K+1, H, D_a)`` under ``velocity_fn``.
 
         With ``per_step=True`` it returns the log-densities of the stochastic transitions
-        ``float32 (B, m)`` (``m = K`` unless ``noise_steps`` is set; without the parameter-free prior): Flow-GRPO's per-denoising-step ratios (Liu et al. 2025,
-        "Flow-GRPO", Eq. 8 sums the clipped surrogate over the steps of the chain).
+        ``float32 (B, m)`` (``m = K`` unless ``noise_steps`` is set; without the parameter-free
+        prior): Flow-GRPO's per-denoising-step ratios (Liu et al. 2025, "Flow-GRPO", Eq. 8 sums the
+        clipped surrogate over the steps of the chain).
 
         Raises ``ValueError`` if the chain has not ``K+1`` steps.
         """

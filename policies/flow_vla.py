@@ -375,7 +375,6 @@ class FlowVLAPolicy(nn.Module):
         vf = self._velocity_fn(obs)
         return self.sampler.log_prob(vf, chain.to(self.device), per_step=per_step)
 
-
     def flow_matching_loss(self, obs: Obs, sample: PolicySample, t: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
         """Per-sample conditional flow-matching loss of the sampled chunk, differentiable in the network:
         the quantity whose change FPO turns into a likelihood-ratio estimate (McAllister et al. 2025,

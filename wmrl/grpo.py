@@ -440,18 +440,19 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.fpo_samples must be >= 1, got {self.fpo_samples}")
 
 
-def _old_log_probs(policy: Policy, batch: TransitionBatch, per_step: bool, chunk: int) -> torch.Tensor:
-    """Log-probs of the recorded chains at the sampling parameters (no grad): the recorded chain
-    log-prob, or, per step, recomputed before the first update (identical parameters, so the
-    ratio starts at exactly 1)."""
-    if not per_step:
+def _old_log_probs(batch: TransitionBatch, likelihood: Callable[[TransitionBatch, torch.Tensor], torch.Tensor],
+                   recompute: bool, chunk: int) -> torch.Tensor:
+    """Log-likelihoods of the recorded chunks at the sampling parameters (no grad): the recorded chain
+    log-prob, or (``recompute``: per-step ratios, FPO) ``likelihood(minibatch, idx)`` evaluated in
+    minibatches of ``chunk`` before the first update (identical parameters, so every ratio starts at
+    exactly 1)."""
+    if not recompute:
         return batch.samples.log_prob
     parts = []
     with torch.no_grad():
         for i in range(0, len(batch), chunk):
             idx = torch.arange(i, min(i + chunk, len(batch)))
-            mb = batch.index(idx)
-            parts.append(policy.log_prob(mb.obs, mb.samples, per_step=True).detach())
+            parts.append(likelihood(batch.index(idx), idx).detach())
     return torch.cat(parts)
 
 
@@ -485,23 +486,22 @@ def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Transit
     params = [p for p in policy.parameters() if p.requires_grad]  # type: ignore[attr-defined]
     m = len(batch)
     per_step = cfg.ratio == "per_step"
-    fpo = cfg.ratio == "fpo"
-    if fpo:
+    if cfg.ratio == "fpo":
         fpo_t, fpo_eps = _fpo_draws(batch, int(cfg.fpo_samples), generator)
-        with torch.no_grad():
-            old_all = torch.cat([
-                _fpo_log_likelihood(policy, mb.obs, mb.samples, fpo_t[idx], fpo_eps[idx]).detach()
-                for idx in torch.arange(m).split(cfg.minibatch_size) for mb in [batch.index(idx)]])
+
+        def likelihood(mb: TransitionBatch, idx: torch.Tensor) -> torch.Tensor:
+            return _fpo_log_likelihood(policy, mb.obs, mb.samples, fpo_t[idx], fpo_eps[idx])
     else:
-        old_all = _old_log_probs(policy, batch, per_step, cfg.minibatch_size)
+        def likelihood(mb: TransitionBatch, idx: torch.Tensor) -> torch.Tensor:
+            return policy.log_prob(mb.obs, mb.samples, per_step=per_step)
+    old_all = _old_log_probs(batch, likelihood, per_step or cfg.ratio == "fpo", cfg.minibatch_size)
     stats: dict[str, list[float]] = {}
     for _ in range(cfg.epochs):
         perm = torch.randperm(m, generator=generator)
         for i in range(0, m, cfg.minibatch_size):
             idx = perm[i:i + cfg.minibatch_size]
             mb = batch.index(idx)
-            new_lp = _fpo_log_likelihood(policy, mb.obs, mb.samples, fpo_t[idx], fpo_eps[idx]) if fpo \
-                else policy.log_prob(mb.obs, mb.samples, per_step=per_step)
+            new_lp = likelihood(mb, idx)
             loss, st = clipped_surrogate_loss(new_lp, old_all[idx], mb.advantages, clip_eps=cfg.clip_eps,
                                               weights=mb.weights)
             if cfg.kl_coef > 0 and ref_policy is not None:

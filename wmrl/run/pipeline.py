@@ -247,16 +247,15 @@ def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: di
     :func:`wmrl.fidelity.replay_check`."""
     from wmrl import grpo
     from wmrl.fidelity import replay_check
-    from wmrl.run.post_train import ContextStarts, load_policy, make_imagination_env, make_sim_env
+    from wmrl.run.post_train import ContextStarts, load_policy, make_imagination_env, make_sim_env, train_n_init
 
     policy, _ = load_policy(bc_ckpt, str(c.device))
     policy.eval()
     if gcfg.get("rl_sampler"):
         policy.sampler = hydra.utils.instantiate(gcfg.rl_sampler)
     g = int(gcfg.grpo.group_size)
-    n_init = gcfg.starts.get("n_init") or min(suite.num_init_states(t, "train") for t in tasks)
-    starts = grpo.InitStateStarts(tasks, n_init=int(n_init), per_task=int(c.starts_per_task), split="train",
-                                  seed=int(c.seed))(0)
+    starts = grpo.InitStateStarts(tasks, n_init=train_n_init(gcfg.starts, suite, tasks), per_task=int(c.starts_per_task),
+                                  split="train", seed=int(c.seed))(0)
     sim_env = make_sim_env(int(c.num_envs), suite=suite)        # renders the context frames, then replays
     starts = ContextStarts(None, sim_env).contextualize(starts)
     kw = _container(gcfg.env.get("imagination")) or {}

@@ -220,6 +220,12 @@ def _maybe(cfg: DictConfig | None, key: str, default=None):
     return default if cfg is None else cfg.get(key, default)
 
 
+def train_n_init(starts_cfg: DictConfig, suite, tasks) -> int:
+    """Train init states per task that GRPO's starts draw from: ``starts.n_init``, or (null) the
+    fewest the suite stores for any of ``tasks``."""
+    return int(starts_cfg.get("n_init") or min(suite.num_init_states(t, "train") for t in tasks))
+
+
 def trainable_parameters(policy, prefixes) -> list:
     """The parameters GRPO updates: all that require grad (``prefixes`` null), or only those whose
     name starts with one of ``prefixes`` (e.g. ``[head]``: the flow-matching action head; the vision
@@ -295,8 +301,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         ref_policy = grpo.make_reference(policy)
 
     env = build_env(cfg.env, suite, seed=int(cfg.seed), device=str(cfg.device))
-    n_init = cfg.starts.get("n_init") or min(suite.num_init_states(t, "train") for t in tasks)
-    starts_fn = grpo.InitStateStarts(tasks, n_init=int(n_init), per_task=cfg.starts.per_task, split="train",
+    n_init = train_n_init(cfg.starts, suite, tasks)
+    starts_fn = grpo.InitStateStarts(tasks, n_init=n_init, per_task=cfg.starts.per_task, split="train",
                                      seed=cfg.seed)
     keyframes = int(cfg.starts.get("keyframes_per_task") or 0) if cfg.starts.get("store") else 0
     if str(cfg.env.name) == "imagination":
@@ -342,7 +348,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         for s in range(int(den.samples)):
             replay_envs.append(build_env(cfg.env, suite, seed=int(cfg.seed) + 1000 + s, device=str(cfg.device)))
 
-    refresher = _maybe_refresher(cfg, ctx, env, suite, tasks, int(n_init), replay_envs)
+    refresher = _maybe_refresher(cfg, ctx, env, suite, tasks, n_init, replay_envs)
 
     params = trainable_parameters(policy, cfg.get("trainable"))
     optimizer = torch.optim.Adam(params, lr=float(cfg.lr))

@@ -242,17 +242,21 @@ def _eval_policy(policy_path: Path, cfg: DictConfig, tasks: dict, suite, out_dir
 
 
 def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: dict, suite) -> dict:
-    """Before GRPO: does this run's imagination rank the BC policy's rollouts (GRPO's RL sampler,
-    group size and horizon, GRPO's first train init states) like the sim? See
+    """Before GRPO: does this run's imagination rank the BC policy's rollouts (GRPO's RL sampler or
+    its latent-noise steering, group size and horizon, GRPO's first train init states) like the sim? See
     :func:`wmrl.fidelity.replay_check`."""
     from wmrl import grpo
     from wmrl.fidelity import replay_check
-    from wmrl.run.post_train import ContextStarts, load_policy, make_imagination_env, make_sim_env, train_n_init
+    from wmrl.run.post_train import (ContextStarts, load_policy, make_imagination_env, make_sim_env, steered_policy,
+                                     train_n_init)
 
-    policy, _ = load_policy(bc_ckpt, str(c.device))
+    policy, policy_cfg = load_policy(bc_ckpt, str(c.device))
+    policy, _, rl_sampler = steered_policy(policy, policy_cfg, gcfg.get("steer"), str(c.device))
     policy.eval()
-    if gcfg.get("rl_sampler"):
-        policy.sampler = hydra.utils.instantiate(gcfg.rl_sampler)
+    if rl_sampler is None and gcfg.get("rl_sampler"):
+        rl_sampler = hydra.utils.instantiate(gcfg.rl_sampler)
+    if rl_sampler is not None:
+        policy.sampler = rl_sampler
     g = int(gcfg.grpo.group_size)
     starts = grpo.InitStateStarts(tasks, n_init=train_n_init(gcfg.starts, suite, tasks), per_task=int(c.starts_per_task),
                                   split="train", seed=int(c.seed))(0)
@@ -393,7 +397,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         "success_gain": after["success"] - before["success"],
         "per_task": per_task,
         "grpo": {"iterations": grep.get("iterations"), "mitigations": grep.get("mitigations"),
-                 "refresh": grep.get("refresh"),
+                 "refresh": grep.get("refresh"), "steer": grep.get("steer"),
                  "imagined_success_first": (grep.get("history") or [{}])[0].get("success_rate"),
                  "imagined_success_last": (grep.get("history") or [{}])[-1].get("success_rate")},
         "imagination_check": fid,

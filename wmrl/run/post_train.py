@@ -154,6 +154,21 @@ def using_sampler(policy, sampler):
         policy.sampler = old
 
 
+def steered_policy(policy, policy_cfg: dict, steer: DictConfig | None, device: str = "cpu"):
+    """With ``steer.enabled``: wrap a flow policy in ``policies.steering.LatentNoisePolicy`` (DSRL: GRPO
+    trains only a latent-noise head; a checkpoint that already is one is kept) and return it with its
+    checkpoint config and its RL sampler ``LatentNoiseSampler(steer.std)``. Otherwise the inputs and
+    ``None`` (the caller's ``rl_sampler``)."""
+    if steer is None or not bool(steer.get("enabled", False)):
+        return policy, policy_cfg, None
+    from policies.steering import LatentNoisePolicy, LatentNoiseSampler
+
+    if not isinstance(policy, LatentNoisePolicy):
+        policy = LatentNoisePolicy(policy, hidden=int(steer.hidden), bound=float(steer.bound),
+                                   sampler=LatentNoiseSampler(0.0, int(steer.num_steps))).to(device)
+    return policy, policy.checkpoint_config(), LatentNoiseSampler(float(steer.std), int(steer.num_steps))
+
+
 def load_policy(path, device: str = "cpu"):
     """Policy checkpoint -> ``(policy, constructor config dict)``."""
     from wmrl.checkpoint import load_checkpoint, read_checkpoint_config
@@ -289,7 +304,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     suite = instantiate(cfg.suite, tasks=list(cfg.tasks)) if cfg.get("suite") else None
     tasks = {t: suite.instruction(t) for t in suite.task_names} if suite is not None else task_instructions(cfg.tasks)
     policy, policy_cfg = load_policy(policy_path, cfg.device)
-    rl_sampler = instantiate(cfg.rl_sampler) if cfg.get("rl_sampler") else None
+    policy, policy_cfg, rl_sampler = steered_policy(policy, policy_cfg, cfg.get("steer"), str(cfg.device))
+    if rl_sampler is None and cfg.get("rl_sampler"):
+        rl_sampler = instantiate(cfg.rl_sampler)
     eval_sampler = instantiate(cfg.eval_sampler) if cfg.get("eval_sampler") else None
     if eval_sampler is None and hasattr(policy, "sampler"):
         eval_sampler = policy.sampler  # the checkpoint's own (deterministic) sampler
@@ -375,6 +392,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         "iterations": out["iterations"],
         "tasks": list(tasks),
         "mitigations": {"debias": debiaser is not None, "denoise": bool(replay_envs)},
+        "steer": (OmegaConf.to_container(cfg.steer, resolve=True)
+                  if cfg.get("steer") is not None and bool(cfg.steer.get("enabled", False)) else None),
         "refresh": None if refresher is None else {"every": int(cfg.refresh.every), "restored_round": refresher.restored,
                                                   "rounds": [{k: v for k, v in h.items() if k.startswith("refresh/") or k == "iteration"}
                                                              for h in out["history"] if "refresh/real_success" in h]},

@@ -123,7 +123,8 @@ class LatentNoisePolicy(nn.Module):
     def _check_sampler(self) -> LatentNoiseSampler:
         if not isinstance(self.sampler, LatentNoiseSampler):
             raise ValueError(f"LatentNoisePolicy samples with policies.steering.LatentNoiseSampler, got "
-                             f"{type(self.sampler).__name__}; set rl_sampler._target_=policies.steering.LatentNoiseSampler")
+                             f"{type(self.sampler).__name__}: post-train a steered checkpoint with steer.enabled=true "
+                             "(its exploration is steer.std), or set policy.sampler = LatentNoiseSampler(std)")
         return self.sampler
 
     def mean_noise(self, cond: torch.Tensor) -> torch.Tensor:

@@ -131,3 +131,21 @@ def test_post_train_wraps_the_checkpoint_policy_only_when_steering_is_enabled():
     assert cfg["_target_"] == "policies.steering.LatentNoisePolicy" and cfg["sampler"]["std"] == 0.0
     again, _, _ = steered_policy(p, cfg, steer)  # resuming from a steered checkpoint does not wrap twice
     assert again is p
+
+
+def test_post_train_steering_mistakes_are_refused_with_the_fix():
+    from omegaconf import OmegaConf
+
+    from wmrl.run.post_train import steered_policy
+
+    steer = OmegaConf.create({"enabled": True, "std": 0.5, "hidden": 8, "bound": 1.0, "num_steps": 4})
+    p, cfg, _ = steered_policy(base_policy(), {}, steer)
+    with pytest.raises(ValueError, match="set steer.enabled=true"):
+        steered_policy(p, cfg, OmegaConf.create({"enabled": False}))
+    with pytest.raises(ValueError, match="steer.std must be > 0"):
+        steered_policy(base_policy(), {}, OmegaConf.merge(steer, {"std": 0.0}))
+    with pytest.raises(ValueError, match="noise head has"):
+        steered_policy(p, cfg, OmegaConf.merge(steer, {"hidden": 16}))
+    p.sampler = SDESampler(4, 0.5)
+    with pytest.raises(ValueError, match="steer.enabled=true"):
+        p.sample(obs(b=1))

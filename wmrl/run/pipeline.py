@@ -267,6 +267,7 @@ def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: di
                                 device=str(c.device), **kw)
     r = replay_check(imag, sim_env, policy, starts, g, int(gcfg.grpo.max_chunks),
                      generator=torch.Generator().manual_seed(int(c.seed)), progress=True)
+    r["sampler"] = repr(policy.sampler)  # the RL sampler, or the latent-noise steering's
     log.info("imagination check: imagined success %.3f, the same actions replayed in the sim %.3f; within-group "
              "pair accuracy %s (0.5 = chance), %d/%d groups mixed in imagination, %d in the sim",
              r["imagined_success"], r["replayed_success"], r["pair_accuracy"], r["mixed_groups_imagined"],

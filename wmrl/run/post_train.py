@@ -159,11 +159,23 @@ def steered_policy(policy, policy_cfg: dict, steer: DictConfig | None, device: s
     trains only a latent-noise head; a checkpoint that already is one is kept) and return it with its
     checkpoint config and its RL sampler ``LatentNoiseSampler(steer.std)``. Otherwise the inputs and
     ``None`` (the caller's ``rl_sampler``)."""
-    if steer is None or not bool(steer.get("enabled", False)):
-        return policy, policy_cfg, None
     from policies.steering import LatentNoisePolicy, LatentNoiseSampler
 
-    if not isinstance(policy, LatentNoisePolicy):
+    if steer is None or not bool(steer.get("enabled", False)):
+        if isinstance(policy, LatentNoisePolicy):
+            raise ValueError("the checkpoint is a latent-noise-steered policy (LatentNoisePolicy): set steer.enabled=true "
+                             "to post-train it (or start from its BC checkpoint)")
+        return policy, policy_cfg, None
+    if float(steer.std) <= 0:
+        raise ValueError(f"steer.std must be > 0 for RL (the exploration std of the latent noise), got {steer.std}; "
+                         "std 0 is the deterministic evaluation sampler")
+    if isinstance(policy, LatentNoisePolicy):
+        have = {"hidden": policy.init_config["hidden"], "bound": policy.bound}
+        want = {"hidden": int(steer.hidden), "bound": float(steer.bound)}
+        if have != want:
+            raise ValueError(f"the checkpoint's noise head has {have}, steer asks for {want}: drop those overrides "
+                             "to continue it, or start from the BC checkpoint for a new head")
+    else:
         policy = LatentNoisePolicy(policy, hidden=int(steer.hidden), bound=float(steer.bound),
                                    sampler=LatentNoiseSampler(0.0, int(steer.num_steps))).to(device)
     return policy, policy.checkpoint_config(), LatentNoiseSampler(float(steer.std), int(steer.num_steps))
@@ -314,6 +326,10 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         policy.sampler = rl_sampler
     ref_policy = None
     gcfg = grpo.GRPOConfig(**OmegaConf.to_container(cfg.grpo, resolve=True))  # type: ignore[arg-type]
+    if gcfg.ratio == "fpo" and not hasattr(policy, "flow_matching_loss"):
+        raise ValueError(f"grpo.ratio=fpo needs a policy with a flow-matching loss, {type(policy).__name__} has none"
+                         + ("; with steer.enabled=true use grpo.ratio=chain or per_step (the same here: one exact "
+                            "Gaussian per chunk)" if type(policy).__name__ == "LatentNoisePolicy" else ""))
     if gcfg.kl_coef > 0:
         ref_policy = grpo.make_reference(policy)
 

@@ -149,3 +149,6 @@ def test_post_train_steering_mistakes_are_refused_with_the_fix():
     p.sampler = SDESampler(4, 0.5)
     with pytest.raises(ValueError, match="steer.enabled=true"):
         p.sample(obs(b=1))
+    with pytest.raises(ValueError, match="use ratio=per_step or chain"):  # checked before any rollout
+        grpo.check_policy(p, grpo.GRPOConfig(ratio="fpo"))
+    grpo.check_policy(p, grpo.GRPOConfig(ratio="chain"))

@@ -468,14 +468,18 @@ def _fpo_draws(batch: TransitionBatch, n: int, generator: torch.Generator | None
     return t, eps
 
 
+def check_policy(policy: Policy, cfg: GRPOConfig) -> None:
+    """Raise ``ValueError`` when ``policy`` cannot give the likelihood ``cfg.ratio`` needs (``"fpo"``:
+    a ``flow_matching_loss``), so that a run fails before its first rollout."""
+    if cfg.ratio == "fpo" and getattr(policy, "flow_matching_loss", None) is None:
+        raise ValueError(f"ratio='fpo' needs a flow-matching policy with flow_matching_loss(obs, sample, t, eps); "
+                         f"{type(policy).__name__} has none (use ratio=per_step or chain)")
+
+
 def _fpo_log_likelihood(policy: Policy, obs: Obs, samples: PolicySample, t: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     """``-L_cfm`` ``float32 (B,)``: FPO's stand-in for the chunk log-likelihood (its differences are
     log-ratio estimates)."""
-    fn = getattr(policy, "flow_matching_loss", None)
-    if fn is None:
-        raise ValueError(f"ratio='fpo' needs a flow-matching policy with flow_matching_loss(obs, sample, t, eps); "
-                         f"{type(policy).__name__} has none (use ratio=per_step)")
-    return -fn(obs, samples, t, eps)
+    return -policy.flow_matching_loss(obs, samples, t, eps)  # type: ignore[attr-defined]
 
 
 def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: TransitionBatch, cfg: GRPOConfig,
@@ -483,6 +487,7 @@ def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Transit
     """PPO-style epochs over ``batch``; returns mean diagnostics (loss, approx_kl, clip_frac, kl_ref,
     grad_norm, ratio stats). ``policy`` must be a ``torch.nn.Module`` whose ``log_prob`` (or, for
     ``cfg.ratio == "fpo"``, ``flow_matching_loss``) is differentiable."""
+    check_policy(policy, cfg)
     params = [p for p in policy.parameters() if p.requires_grad]  # type: ignore[attr-defined]
     m = len(batch)
     per_step = cfg.ratio == "per_step"

@@ -247,14 +247,12 @@ def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: di
     :func:`wmrl.fidelity.replay_check`."""
     from wmrl import grpo
     from wmrl.fidelity import replay_check
-    from wmrl.run.post_train import (ContextStarts, load_policy, make_imagination_env, make_sim_env, steered_policy,
+    from wmrl.run.post_train import (ContextStarts, load_policy, make_imagination_env, make_sim_env, rl_policy,
                                      train_n_init)
 
     policy, policy_cfg = load_policy(bc_ckpt, str(c.device))
-    policy, _, rl_sampler = steered_policy(policy, policy_cfg, gcfg.get("steer"), str(c.device))
+    policy, _, rl_sampler = rl_policy(policy, policy_cfg, gcfg, str(c.device))
     policy.eval()
-    if rl_sampler is None and gcfg.get("rl_sampler"):
-        rl_sampler = hydra.utils.instantiate(gcfg.rl_sampler)
     if rl_sampler is not None:
         policy.sampler = rl_sampler
     g = int(gcfg.grpo.group_size)

@@ -181,6 +181,16 @@ def steered_policy(policy, policy_cfg: dict, steer: DictConfig | None, device: s
     return policy, policy.checkpoint_config(), LatentNoiseSampler(float(steer.std), int(steer.num_steps))
 
 
+def rl_policy(policy, policy_cfg: dict, cfg: DictConfig, device: str = "cpu"):
+    """The policy GRPO trains and its RL sampler from a post-train config: the latent-noise steering
+    (``cfg.steer``, :func:`steered_policy`) when enabled, else ``cfg.rl_sampler`` instantiated (or
+    ``None``). Returns ``(policy, checkpoint config, rl_sampler)``."""
+    policy, policy_cfg, rl_sampler = steered_policy(policy, policy_cfg, cfg.get("steer"), device)
+    if rl_sampler is None and cfg.get("rl_sampler"):
+        rl_sampler = instantiate(cfg.rl_sampler)
+    return policy, policy_cfg, rl_sampler
+
+
 def load_policy(path, device: str = "cpu"):
     """Policy checkpoint -> ``(policy, constructor config dict)``."""
     from wmrl.checkpoint import load_checkpoint, read_checkpoint_config
@@ -316,9 +326,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     suite = instantiate(cfg.suite, tasks=list(cfg.tasks)) if cfg.get("suite") else None
     tasks = {t: suite.instruction(t) for t in suite.task_names} if suite is not None else task_instructions(cfg.tasks)
     policy, policy_cfg = load_policy(policy_path, cfg.device)
-    policy, policy_cfg, rl_sampler = steered_policy(policy, policy_cfg, cfg.get("steer"), str(cfg.device))
-    if rl_sampler is None and cfg.get("rl_sampler"):
-        rl_sampler = instantiate(cfg.rl_sampler)
+    policy, policy_cfg, rl_sampler = rl_policy(policy, policy_cfg, cfg, str(cfg.device))
     eval_sampler = instantiate(cfg.eval_sampler) if cfg.get("eval_sampler") else None
     if eval_sampler is None and hasattr(policy, "sampler"):
         eval_sampler = policy.sampler  # the checkpoint's own (deterministic) sampler
@@ -326,10 +334,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         policy.sampler = rl_sampler
     ref_policy = None
     gcfg = grpo.GRPOConfig(**OmegaConf.to_container(cfg.grpo, resolve=True))  # type: ignore[arg-type]
-    if gcfg.ratio == "fpo" and not hasattr(policy, "flow_matching_loss"):
-        raise ValueError(f"grpo.ratio=fpo needs a policy with a flow-matching loss, {type(policy).__name__} has none"
-                         + ("; with steer.enabled=true use grpo.ratio=chain or per_step (the same here: one exact "
-                            "Gaussian per chunk)" if type(policy).__name__ == "LatentNoisePolicy" else ""))
+    grpo.check_policy(policy, gcfg)
     if gcfg.kl_coef > 0:
         ref_policy = grpo.make_reference(policy)
 

@@ -77,7 +77,37 @@ def test_untrained_model_is_copy_last_frame(frames):
     hm = horizon_metrics(m, frames, max_chunks=3, start_stride=8)
     assert hm["horizon"] == [1, 2, 3]
     assert np.allclose(hm["psnr"], hm["psnr_copy"]) and np.allclose(hm["psnr_gain"], 0.0)
+    assert np.allclose(hm["position_error"], hm["position_error_copy"]) and np.allclose(hm["proprio_mae"], hm["proprio_mae_copy"])
     assert action_following(m, frames, n=16)["reduction"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_horizon_proprio_errors_are_measured_against_the_recorded_future(frames):
+    """A model whose proprio head returns the recorded future has zero proprio error; the copy
+    baseline's error is the distance to the recorded proprio k chunks later."""
+    m = tiny_model()
+    fit_world_model_stats(m, frames)
+    H = m.chunk_size
+    truth = {}
+    for e in range(frames.num_episodes):
+        for t in range(int(frames.lengths[e])):
+            truth[tuple(np.round(frames.proprio[frames.offsets[e] + t], 6))] = (e, t)
+
+    def oracle_delta(fr, cond):     # look the start proprio up in the data, answer its recorded change
+        p = cond[:, -m.state_dim:] * m.proprio_std + m.proprio_mean
+        out = []
+        for row in p:
+            e, t = truth[tuple(np.round(row.numpy(), 6))]
+            g = frames.offsets[e] + min(t + H, int(frames.lengths[e]) - 1)
+            out.append((torch.from_numpy(frames.proprio[g]) - row) / m.delta_std)
+        return torch.stack(out)
+
+    m.proprio_delta = oracle_delta
+    hm = horizon_metrics(m, frames, max_chunks=3, start_stride=8, position_dims=[0, 1, 2])
+    assert np.allclose(hm["position_error"], 0.0, atol=1e-5) and np.allclose(hm["proprio_mae"], 0.0, atol=1e-5)
+    assert hm["position_error_copy"][0] > 0 and len(hm["proprio_mae_copy"][0]) == frames.state_dim
+    assert "position_error" not in horizon_metrics(m, frames, max_chunks=1, position_dims=None)
+    with pytest.raises(ValueError, match="position_dims"):
+        horizon_metrics(m, frames, max_chunks=1, position_dims=[0, 99])
 
 
 def test_bad_inputs_raise_clear_errors(frames):

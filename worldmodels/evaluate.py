@@ -3,13 +3,17 @@
 * :func:`horizon_metrics`: PSNR and SSIM (torchmetrics) ``k = 1..K`` chunks ahead, autoregressive
   (the model's own predictions are fed back), against copy-the-last-frame (the frame at the start of
   the rollout). PSNR is computed from the aggregate MSE over all rollouts and pixels at a horizon
-  (so identical frames do not give infinite means), images scaled to [0, 1].
+  (so identical frames do not give infinite means), images scaled to [0, 1]. Beside the pixels, the
+  imagined proprio against the recorded one: the end-effector position error (m) and the
+  per-dimension mean absolute error, each against the copy baseline (the proprio at the start).
 * :func:`action_following`: one-chunk-ahead pixel MSE with the true actions against the MSE with
   the actions of another held-out episode at the same step.
 * :func:`critic_auroc`: AUROC of ``success_prob`` on each episode's final frame, success vs failure.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -26,31 +30,50 @@ def _to01(x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def horizon_metrics(model: ChunkFlowWorldModel, data: EpisodeFrames, max_chunks: int = 8, start_stride: int = 8,
-                    batch_size: int = 64, generator: torch.Generator | None = None) -> dict:
-    """Autoregressive PSNR / SSIM per horizon against copy-last-frame.
+                    batch_size: int = 64, generator: torch.Generator | None = None,
+                    position_dims: Sequence[int] | None = (0, 1, 2)) -> dict:
+    """Autoregressive PSNR / SSIM and proprio errors per horizon against the copy baseline.
 
     Rollouts start at steps ``0, start_stride, 2*start_stride, ...`` of every episode of ``data``
     and run with the episode's true actions; horizon ``k`` is scored on the rollouts whose frame
     ``t0 + k*H`` exists.
 
+    Args:
+        position_dims: the proprio dims holding the end-effector position in metres (``(0, 1, 2)``
+            in this suite's layout, ``sim.env.SimEnv.proprio``, and in LIBERO's ``eef_pos``
+            first layout); ``None`` skips ``position_error``.
+
     Returns:
         ``{"horizon": [1..K], "psnr": [...], "psnr_copy": [...], "ssim": [...], "ssim_copy": [...],
-        "psnr_per_camera": {cam: [...]}, "n": [...]}`` (dB for PSNR).
+        "psnr_per_camera": {cam: [...]}, "n": [...], "position_error": [...],
+        "position_error_copy": [...], "proprio_mae": [[D_s floats], ...], "proprio_mae_copy": [...]}``
+        (dB for PSNR; ``position_error`` is the mean Euclidean distance in metres between the imagined
+        and the recorded end-effector position, ``proprio_mae`` the mean absolute error per proprio
+        dimension in its units).
+
+    Raises:
+        ValueError: no episode longer than one chunk, or ``position_dims`` outside the proprio.
     """
     H = model.chunk_size
     dev = model.proprio_mean.device
+    pos = list(position_dims) if position_dims is not None else None
+    if pos is not None and (not pos or min(pos) < 0 or max(pos) >= data.state_dim):
+        raise ValueError(f"position_dims {pos} must index the proprio of D_s={data.state_dim}; "
+                         "set position_dims=None for a proprio without an end-effector position")
     starts = [(e, t) for e in range(data.num_episodes) for t in range(0, int(data.lengths[e]) - H, start_stride)]
     if not starts:
         raise ValueError(f"no held-out episode is longer than one chunk (H={H})")
     sums = {k: {"se": 0.0, "se_copy": 0.0, "npix": 0, "ssim": 0.0, "ssim_copy": 0.0, "n": 0,
-                "cam_se": np.zeros(len(model.cameras))} for k in range(1, max_chunks + 1)}
+                "cam_se": np.zeros(len(model.cameras)), "pos": 0.0, "pos_copy": 0.0,
+                "ae": np.zeros(data.state_dim), "ae_copy": np.zeros(data.state_dim)} for k in range(1, max_chunks + 1)}
     for i in range(0, len(starts), batch_size):
         chunk = starts[i: i + batch_size]
         ep = np.array([e for e, _ in chunk])
         t0 = np.array([t for _, t in chunk])
         g0 = data.offsets[ep] + t0
         first = torch.from_numpy(data.images[g0]).to(dev)
-        state = WMState(to_unit(first), torch.from_numpy(data.proprio[g0]).to(dev), [data.instructions[e] for e in ep])
+        p0 = torch.from_numpy(data.proprio[g0]).to(dev)
+        state = WMState(to_unit(first), p0, [data.instructions[e] for e in ep])
         for k in range(1, max_chunks + 1):
             valid = t0 + k * H <= data.lengths[ep] - 1
             if not valid.any():
@@ -71,6 +94,13 @@ def horizon_metrics(model: ChunkFlowWorldModel, data: EpisodeFrames, max_chunks:
                 s["cam_se"][c] += float((pred[:, 3 * c: 3 * c + 3] - tgt[:, 3 * c: 3 * c + 3]).pow(2).sum())
             s["ssim"] += float(structural_similarity_index_measure(pred, tgt, data_range=1.0, reduction="sum"))
             s["ssim_copy"] += float(structural_similarity_index_measure(copy, tgt, data_range=1.0, reduction="sum"))
+            p_gt = torch.from_numpy(data.proprio[data.offsets[ep[valid]] + t0[valid] + k * H]).to(dev).float()
+            p_im, p_cp = state.proprio[v.to(dev)].float(), p0[v.to(dev)].float()
+            s["ae"] += (p_im - p_gt).abs().sum(0).cpu().numpy()
+            s["ae_copy"] += (p_cp - p_gt).abs().sum(0).cpu().numpy()
+            if pos is not None:
+                s["pos"] += float((p_im[:, pos] - p_gt[:, pos]).norm(dim=1).sum())
+                s["pos_copy"] += float((p_cp[:, pos] - p_gt[:, pos]).norm(dim=1).sum())
             s["n"] += int(valid.sum())
 
     def db(se, npix):
@@ -86,6 +116,11 @@ def horizon_metrics(model: ChunkFlowWorldModel, data: EpisodeFrames, max_chunks:
            "psnr_per_camera": {c: [db(sums[k]["cam_se"][j], sums[k]["npix"] / len(model.cameras)) for k in ks]
                                for j, c in enumerate(model.cameras)}}
     out["psnr_gain"] = [a - b for a, b in zip(out["psnr"], out["psnr_copy"])]
+    out["proprio_mae"] = [(sums[k]["ae"] / sums[k]["n"]).tolist() for k in ks]
+    out["proprio_mae_copy"] = [(sums[k]["ae_copy"] / sums[k]["n"]).tolist() for k in ks]
+    if pos is not None:
+        out["position_error"] = [sums[k]["pos"] / sums[k]["n"] for k in ks]
+        out["position_error_copy"] = [sums[k]["pos_copy"] / sums[k]["n"] for k in ks]
     # the same PSNR via torchmetrics on one batch, as a cross-check of the aggregate formula
     out["psnr_definition"] = "10*log10(1/MSE) over all pixels of all rollouts at a horizon, images in [0,1]"
     return out

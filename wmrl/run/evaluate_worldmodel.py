@@ -9,7 +9,8 @@ Example::
 
 Report (``report.json``):
 * ``horizons``: PSNR / SSIM 1..``max_chunks`` chunks ahead (autoregressive, true actions) against
-  copy-last-frame (``worldmodels.evaluate.horizon_metrics``);
+  copy-last-frame, and the imagined end-effector position error in metres (``position_dims``) and
+  proprio error per dimension against the start's proprio (``worldmodels.evaluate.horizon_metrics``);
 * ``action_following``: one-chunk MSE with the true actions vs with another episode's actions;
 * ``critic``: AUROC success vs failure on held-out episodes (final frames);
 * ``policy_check``: success rate of a policy in ``ImaginationEnv`` and in the real ``SimEnv`` from the
@@ -88,7 +89,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     gen = torch.Generator(device=dev).manual_seed(int(cfg.seed))
     report: dict = {"heldout_episodes": held.num_episodes, "heldout_success_rate": float(held.success.mean()),
                     "sampler": {"stochastic": wm.stochastic, "sampling_steps": wm.sampling_steps}}
-    hm = horizon_metrics(wm, held, max_chunks=int(cfg.max_chunks), start_stride=int(cfg.start_stride), generator=gen)
+    pdims = cfg.get("position_dims")
+    hm = horizon_metrics(wm, held, max_chunks=int(cfg.max_chunks), start_stride=int(cfg.start_stride), generator=gen,
+                         position_dims=list(pdims) if pdims is not None else None)
     report["horizons"] = hm
     report["action_following"] = action_following(wm, held, n=int(cfg.action_following_n), seed=int(cfg.seed))
     if critic is not None:
@@ -110,9 +113,11 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         gp = report["policy_check"]["gap_points"]
         acc["imagined_vs_real_success_gap<=15pts"] = {"value": gp, "pass": gp <= 15.0}
     report["acceptance"] = acc
-    print("horizon  psnr   copy   gain   ssim  ssim_copy")
-    for k, p, c, s, sc in zip(hm["horizon"], hm["psnr"], hm["psnr_copy"], hm["ssim"], hm["ssim_copy"]):
-        print(f"{k:>7} {p:6.2f} {c:6.2f} {p - c:+6.2f} {s:6.3f} {sc:6.3f}")
+    pe = hm.get("position_error") or [float("nan")] * len(hm["horizon"])
+    pc = hm.get("position_error_copy") or [float("nan")] * len(hm["horizon"])
+    print("horizon  psnr   copy   gain   ssim  ssim_copy  eef_err_cm  copy_cm")
+    for k, p, c, s, sc, e, ec in zip(hm["horizon"], hm["psnr"], hm["psnr_copy"], hm["ssim"], hm["ssim_copy"], pe, pc):
+        print(f"{k:>7} {p:6.2f} {c:6.2f} {p - c:+6.2f} {s:6.3f} {sc:9.3f} {100 * e:11.2f} {100 * ec:8.2f}")
     for k, v in acc.items():
         print(f"{k}: {v['value']:.3f} {'PASS' if v['pass'] else 'FAIL'}")
     return report

@@ -277,6 +277,9 @@ def test_entry_points_train_and_evaluate(tmp_path):
                                         "train.checkpoint_every=10", "train.video_chunks=2", "train.max_minutes=null"])
     rep = train_worldmodel.run(cfg, RunContext(cfg, out_dir=tmp_path / "wm"))
     assert rep["steps"] == 20 and rep["train_episodes"] == 8 and rep["heldout_episodes"] == 2
+    hh = rep["heldout_horizons"]                       # eval_horizon_chunks: 8 by default, fewer fit the toy episodes
+    assert hh["horizon"][0] == 1 and len(hh["position_error_m"]) == len(hh["horizon"]) == len(hh["psnr_gain_db"])
+    assert all(np.isfinite(hh["position_error_m"])) and hh["position_error_copy_m"][0] > 0
     ccfg = _compose("train_critic", ["critic=tiny", f"store={store}", "num_threads=1", "progress=false",
                                      "train.steps=20", "train.batch_size=16", "train.success_tail=4",
                                      "train.max_minutes=null"])

@@ -15,7 +15,8 @@ each is a ``run(cfg, ctx)`` of its entry-point module, called in process):
 6. ``eval_before``  real-sim success of the BC policy on the held-out (eval) init states
 7. ``grpo``         GRPO in imagination (``wmrl post-train env=imagination``)
 8. ``eval_after``   real-sim success of the post-trained policy on the same held-out init states
-9. ``report.json`` (wall time per stage, success per task before/after with Wilson 95 % CIs), plots
+9. ``report.json`` (wall time per stage, success per task before/after with Wilson 95 % CIs, the world
+   model's held-out PSNR gain and end-effector position error per horizon), plots
    (``success_before_after.png``, ``imagined_vs_real.png``) and videos (``videos/*.mp4``).
 
 ``preset=debug`` shrinks every stage so that the whole loop runs in about a minute (tests).
@@ -345,7 +346,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     # 4. world model + critic on demos + rollouts
     c = compose_stage_config("train_worldmodel", {**common, **_container(S.worldmodel), "store": str(mixed)},
                              groups=groups("worldmodel"))
-    stages.run("worldmodel", c, _module_run("train_worldmodel"))
+    wm_rep = stages.run("worldmodel", c, _module_run("train_worldmodel"))
     wm_ckpt = out / "worldmodel" / "checkpoints" / "last"
     critic_over = _container(S.critic) or {}
     critic_over["imagined"] = {**(critic_over.get("imagined") or {}), "world_model": str(wm_ckpt)}
@@ -400,6 +401,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
                  "imagined_success_first": (grep.get("history") or [{}])[0].get("success_rate"),
                  "imagined_success_last": (grep.get("history") or [{}])[-1].get("success_rate")},
         "imagination_check": fid,
+        "worldmodel_horizons": wm_rep.get("heldout_horizons"),   # held-out fidelity 1..N chunks ahead (true actions)
         "checkpoints": {"bc": str(bc_ckpt), "worldmodel": str(wm_ckpt), "critic": str(critic_ckpt),
                         "grpo": str(grpo_ckpt)},
         "plots": plots,

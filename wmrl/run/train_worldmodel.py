@@ -6,17 +6,24 @@ Example::
     wmrl train-worldmodel store=... worldmodel.block_out_channels=[64,128,128] train.max_minutes=30
 
 Episodes ``i % heldout_every == heldout_every - 1`` are held out (quick PSNR checks and
-real-vs-imagined videos in ``<run>/videos`` and TensorBoard ``<run>/tb``). Resumes from
+real-vs-imagined videos in ``<run>/videos`` and TensorBoard ``<run>/tb``; at the end ``report.json``
+``heldout_horizons``: PSNR gain and end-effector position error 1..``eval_horizon_chunks`` chunks
+ahead). Resumes from
 ``<run>/checkpoints/last`` when ``resume=true``. The loop itself is ``worldmodels.train.train_world_model``.
 """
 
 from __future__ import annotations
 
+import logging
+
 import hydra
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from wmrl.run.common import RunContext, run_main
+
+log = logging.getLogger("wmrl")
 
 
 def load_splits(store_path, heldout_every: int, cameras):
@@ -58,7 +65,32 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         lr_follows_budget=bool(tc.get("lr_follows_budget", True)))
     report.update(store=str(ctx.path(cfg.store)), train_episodes=train.num_episodes,
                   heldout_episodes=held.num_episodes)
+    hc = int(cfg.get("eval_horizon_chunks") or 0)
+    if hc > 0:
+        report["heldout_horizons"] = heldout_horizons(report["checkpoint"], held, hc, cfg.get("position_dims"), int(cfg.seed))
     return report
+
+
+def heldout_horizons(checkpoint, held, max_chunks: int, position_dims, seed: int) -> dict:
+    """Fidelity of the trained model ``k = 1..max_chunks`` chunks ahead on the held-out episodes
+    (``worldmodels.evaluate.horizon_metrics`` with the true actions): PSNR gain over copy-last-frame
+    (dB) and the imagined end-effector position error (m) beside the copy baseline's."""
+    from wmrl.checkpoint import load_checkpoint
+    from worldmodels.evaluate import horizon_metrics
+
+    model = load_checkpoint(checkpoint, map_location="cpu").eval()
+    if int(held.lengths.max()) <= model.chunk_size:
+        return {"skipped": f"no held-out episode is longer than one chunk (H={model.chunk_size})"}
+    hm = horizon_metrics(model, held, max_chunks=max_chunks, start_stride=model.chunk_size,
+                         generator=torch.Generator().manual_seed(seed),
+                         position_dims=list(position_dims) if position_dims is not None else None)
+    out = {"horizon": hm["horizon"], "psnr_gain_db": hm["psnr_gain"], "n": hm["n"]}
+    if "position_error" in hm:
+        out.update(position_error_m=hm["position_error"], position_error_copy_m=hm["position_error_copy"])
+        log.info("held-out end-effector position error (cm) 1..%d chunks ahead: %s (copy: %s)", len(hm["horizon"]),
+                 " ".join(f"{100 * e:.1f}" for e in hm["position_error"]),
+                 " ".join(f"{100 * e:.1f}" for e in hm["position_error_copy"]))
+    return out
 
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="train_worldmodel")

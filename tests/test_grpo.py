@@ -218,6 +218,29 @@ def test_inverse_variance_downweights_noisy_groups():
     assert torch.allclose(mean[:4], base[:4], atol=1e-5)  # noise-free group keeps its reward
 
 
+def test_inverse_variance_replays_stop_where_each_rollout_ended():
+    """Slots of group 0 are truncated after one chunk, group 1 runs three: a noise-free replay in an
+    env without those limits must score exactly the chunks each rollout ran (not the extra ones)."""
+    torch.manual_seed(0)
+    pol = GaussianChunkPolicy()
+
+    class ShortForGroup0(ToyReachEnv):
+        def step(self, actions):
+            res = super().step(actions)
+            res.truncated[:4] |= ~res.terminated[:4]
+            return res
+
+    env = ShortForGroup0(num_envs=8, reward_noise=0.0, tol=0.0)
+    starts = toy_starts(1)
+    ros = grpo.collect_groups(env, pol, starts, 4, 3)
+    assert ros[0].alive[:4].sum(1).eq(1).all() and ros[0].alive[4:].sum(1).eq(3).all()
+    base, _, _ = grpo.rollout_returns(ros)
+    all_starts, _ = grpo.expand_starts(starts, 4)
+    replays = [ToyReachEnv(num_envs=8, reward_noise=0.0, tol=0.0) for _ in range(2)]
+    mean, w, st = grpo.inverse_variance_rewards(ros, replays, lambda ro: all_starts, "return", 1.0, base)
+    assert torch.allclose(mean, base, atol=1e-5) and st["denoise_var_mean"] < 1e-9
+
+
 def _train(tmp, iterations, resume=True):
     torch.manual_seed(0)
     pol = GaussianChunkPolicy()

@@ -548,7 +548,8 @@ def inverse_variance_rewards(rollouts: Sequence[Rollout], replay_envs: Sequence[
     """Inverse-variance denoising of imagined rewards (WMRL-style).
 
     Every rollout's recorded action chunks are replayed open-loop from its start in each env of
-    ``replay_envs`` (several seeds of a stochastic world model, or an ensemble), giving ``S + 1``
+    ``replay_envs`` (several seeds of a stochastic world model, or an ensemble), for at most as many
+    chunks as the rollout ran (a replay may end earlier on its own success), giving ``S + 1``
     reward estimates per rollout (with the original). The reward becomes their mean; each group's
     weight is ``1 / (var_floor + mean member variance)``, normalised to mean 1 over groups.
 
@@ -566,7 +567,8 @@ def inverse_variance_rewards(rollouts: Sequence[Rollout], replay_envs: Sequence[
             def fn(n, obs, acts=acts):
                 return acts[n] if n < len(acts) else acts[-1]
 
-            rep = rollout_batch(env, None, starts_of(ro), ro.group_ids, max_chunks=len(acts), actions_fn=fn)  # type: ignore[arg-type]
+            rep = rollout_batch(env, None, starts_of(ro), ro.group_ids, max_chunks=len(acts), actions_fn=fn,  # type: ignore[arg-type]
+                                chunk_limits=ro.alive.sum(1))   # each replay stops where its rollout ended
             rs.append(rep)
         r, _, _ = rollout_returns(rs, reward_mode, success_bonus)
         samples_per.append(r)

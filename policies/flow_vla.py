@@ -334,9 +334,9 @@ class FlowVLAPolicy(nn.Module):
         u = torch.rand(b, generator=generator, device=gdev).to(self.device)
         t = 0.001 + 0.999 * u.pow(1.0 / 1.5)
         eps = torch.randn(x0.shape, generator=generator, device=gdev).to(self.device)
-        xt = (1 - t)[:, None, None] * x0 + t[:, None, None] * eps
+        xt, target = flow_pair(x0, t, eps)
         v = self.velocity(xt, t, cond)
-        loss = masked_mse(v, eps - x0, pad)  # padded steps (past the episode end) are left out
+        loss = masked_mse(v, target, pad)  # padded steps (past the episode end) are left out
         return loss, {"loss": float(loss.detach())}
 
     # ------------------------------------------------------------------ Policy protocol
@@ -402,9 +402,20 @@ class FlowVLAPolicy(nn.Module):
         losses = []
         for j in range(t.shape[1]):
             tj, ej = t[:, j].to(self.device), eps[:, j].to(self.device)
-            xt = (1 - tj)[:, None, None] * x0 + tj[:, None, None] * ej
-            losses.append((vf(xt, tj) - (ej - x0)).pow(2).flatten(1).sum(1))
+            xt, target = flow_pair(x0, tj, ej)
+            losses.append((vf(xt, tj) - target).pow(2).flatten(1).sum(1))
         return torch.stack(losses, 1).mean(1)
+
+
+def flow_pair(x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flow-matching training pair of the policy's convention (rectified flow, Liu et al. 2023;
+    Lipman et al. 2023; pi0 / LeRobot): ``x_t = (1 - t) x_0 + t eps`` and the velocity target
+    ``eps - x_0`` (``t = 1`` is pure noise, ``t = 0`` the action chunk).
+
+    Args: x0, eps: ``float32 (B, H, D_a)`` normalised action chunks and noise; t: ``float32 (B,)`` in [0, 1].
+    Returns: ``(x_t, target)``, both ``float32 (B, H, D_a)``.
+    """
+    return (1 - t)[:, None, None] * x0 + t[:, None, None] * eps, eps - x0
 
 
 def build_sampler(kind: str = "ode", num_steps: int = 10, noise_level: float = 0.5):

@@ -12,19 +12,21 @@ from sim.suite import Suite, collect_seed
 from wmrl.types import Episode
 
 
-def collect_episode(env: TaskEnv, suite: Suite, task: str, i: int, noise: float, seed: int) -> Episode:
+def collect_episode(env: TaskEnv, suite: Suite, task: str, i: int, noise: float, seed: int,
+                    rotation_noise: float = 1.0) -> Episode:
     """Run the scripted expert on training init state ``i % N_train`` of ``task``.
 
     Returns an ``Episode`` with ``T`` steps: images ``uint8 (T, 3, Hi, Wi)`` per camera, proprio
     ``float32 (T, 9)``, actions ``float32 (T, 7)``, rewards ``float32 (T,)``, sim_states
     ``float64 (T, 1 + nq + nv)`` (state before each action), and ``info`` = task, init_index,
-    split="train", seed, noise, failure ("" / "timeout" / "dropped").
+    split="train", seed, noise, rotation_noise, failure ("" / "timeout" / "dropped"). ``noise`` and
+    ``rotation_noise`` are the ``ScriptedExpert``'s.
     """
     start = suite.train_start(task, i)
     spec = suite.task(task)
     ep_seed = collect_seed(seed, task, i)
     env.reset(spec, suite.init_state(task, "train", start.init_index))
-    expert = ScriptedExpert(spec, noise, ep_seed)
+    expert = ScriptedExpert(spec, noise, ep_seed, rotation_noise)
     imgs = {c: [] for c in env.cameras}
     prop, acts, rews, states = [], [], [], []
     success = terminated = False
@@ -51,12 +53,13 @@ def collect_episode(env: TaskEnv, suite: Suite, task: str, i: int, noise: float,
         task_name=task,
         sim_states=np.stack(states),
         info={"task": task, "init_index": int(start.init_index), "split": "train", "seed": int(ep_seed),
-              "noise": float(noise), "failure": failure, "source": "scripted", "suite": suite.name},
+              "noise": float(noise), "rotation_noise": float(rotation_noise), "failure": failure, "source": "scripted", "suite": suite.name},
     )
 
 
 def collect_episodes(suite: Suite, episodes_per_task: int, noise: float = 0.0, seed: int = 0,
-                     tasks: Sequence[str] | None = None, start_index: int = 0) -> Iterator[Episode]:
+                     tasks: Sequence[str] | None = None, start_index: int = 0,
+                     rotation_noise: float = 1.0) -> Iterator[Episode]:
     """Yield ``episodes_per_task`` expert episodes per task (task-major order), including failed
     ones (the critic needs them). Episode ``i`` of a task always uses train init state
     ``i % N_train`` and seed ``collect_seed(seed, task, i)``; ``start_index`` skips the first ones
@@ -69,4 +72,4 @@ def collect_episodes(suite: Suite, episodes_per_task: int, noise: float = 0.0, s
         if scene not in envs:
             envs[scene] = TaskEnv(scene, suite.cameras, suite.image_size, suite.render)
         for i in range(start_index, episodes_per_task):
-            yield collect_episode(envs[scene], suite, task, i, noise, seed)
+            yield collect_episode(envs[scene], suite, task, i, noise, seed, rotation_noise)

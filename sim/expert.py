@@ -9,7 +9,8 @@ down, turned to the cube's nearest face.
 Suboptimality knob ``noise`` (>= 0; 0 = clean). The task's expert works with an effective level
 ``e = noise * NOISE_SCALE[kind]`` (stacking is far more sensitive than lifting; the scales are
 calibrated so that ``noise = 0.6`` gives 30-60 % success on every task): correlated Gaussian action
-noise (AR(1), coefficient 0.8, std ``e``) on the 6 arm dims, a per-episode grasp offset with std
+noise (AR(1), coefficient 0.8, std ``e`` on the 3 position dims and ``rotation_noise * e`` on the 3
+rotation dims; ``rotation_noise = 1`` by default), a per-episode grasp offset with std
 ``0.02 e`` m in x/y (misgrasps), a per-episode approach-height error (std ``0.01 e`` m), and short
 random pauses (per-step probability ``0.05 e``, 1-5 steps). Deterministic given ``seed``.
 """
@@ -59,17 +60,24 @@ class ScriptedExpert:
         task: ``TaskSpec`` or task name.
         noise: suboptimality (see module docstring); 0 = clean.
         seed: seed of the episode's noise.
+        rotation_noise: scale of the action noise on the rotation dims relative to the position
+            dims (>= 0). With robosuite's decoupled OSC_POSE a rotation command also moves the grip
+            site (1.4-1.9 cm per step for 0.5 about x from an init pose), so rotation jitter makes the
+            arm's motion much harder to predict from proprio and actions (see docs/architecture.md).
 
     ``act(s)`` maps the privileged state ``s`` (``TaskEnv.privileged()``) to an action
     ``float32 (7,)``: xyz delta, axis-angle delta (both in [-1, 1], base frame), gripper (-1 open,
     +1 close).
     """
 
-    def __init__(self, task: TaskSpec | str, noise: float = 0.0, seed: int = 0):
+    def __init__(self, task: TaskSpec | str, noise: float = 0.0, seed: int = 0, rotation_noise: float = 1.0):
         self.task = get_task(task) if isinstance(task, str) else task
         if noise < 0:
             raise ValueError(f"noise must be >= 0, got {noise}")
+        if rotation_noise < 0:
+            raise ValueError(f"rotation_noise must be >= 0, got {rotation_noise}")
         self.noise = float(noise) * NOISE_SCALE[self.task.kind]
+        self._dim_scale = np.array([1.0, 1.0, 1.0] + [float(rotation_noise)] * 3)
         self.rng = np.random.default_rng(seed)
         self.phase = "above"
         self.count = 0
@@ -107,10 +115,11 @@ class ScriptedExpert:
         self.count += 1
         if self.noise > 0:
             self._n = 0.8 * self._n + np.sqrt(1 - 0.8 ** 2) * self.rng.normal(0.0, self.noise, 6)
-            a[:6] = a[:6] + self._n
+            n = self._n * self._dim_scale
+            a[:6] = a[:6] + n
             if self._pause > 0:
                 self._pause -= 1
-                a[:6] = self._n * 0.2
+                a[:6] = n * 0.2
             elif self.rng.random() < 0.05 * self.noise:
                 self._pause = int(self.rng.integers(1, 6))
         a[:6] = np.clip(a[:6], -1.0, 1.0)
@@ -215,12 +224,13 @@ class ExpertActor:
     chunk_size = 1
     needs_images = False
 
-    def __init__(self, noise: float = 0.0):
+    def __init__(self, noise: float = 0.0, rotation_noise: float = 1.0):
         self.noise = float(noise)
+        self.rotation_noise = float(rotation_noise)
         self._experts: dict[int, ScriptedExpert] = {}
 
     def begin(self, slot: int, task_name: str, seed: int) -> None:
-        self._experts[slot] = ScriptedExpert(task_name, self.noise, seed)
+        self._experts[slot] = ScriptedExpert(task_name, self.noise, seed, self.rotation_noise)
 
     def act(self, env, obs, active) -> "torch.Tensor":
         import torch

@@ -194,6 +194,7 @@ def test_wmrl_collect_writes_episodes_and_continues(tmp_path):
     assert ep.actions.shape == (T, 7) and ep.sim_states.shape[0] == T and ep.sim_states.dtype == np.float64
     assert ep.task_name == "lift_red" and ep.instruction == "lift the red cube"
     assert ep.info["split"] == "train" and ep.info["init_index"] == 0 and ep.info["noise"] == 0.3
+    assert ep.info["rotation_noise"] == 1.0 and rep["rotation_noise"] == 1.0
     assert "seed" in ep.info and ep.rewards.shape == (T,)
     assert store.meta["source"] == "scripted" and store.meta["fps"] == 20
     # the stored first state is the training init state
@@ -221,7 +222,7 @@ def test_wmrl_collect_with_worker_processes_stores_the_same_episodes(tmp_path):
     reps = {}
     for w in (1, 2):
         cfg = _compose("collect", ["suite=tiny", "episodes_per_task=1", "noise=0.3", f"workers={w}",
-                                   f"out={tmp_path / f's{w}'}"])
+                                   "rotation_noise=0.5", f"out={tmp_path / f's{w}'}"])
         reps[w] = collect.run(cfg, RunContext(cfg, out_dir=tmp_path / f"run{w}"))
         assert reps[w]["episodes_in_store"] == 2
     a, b = EpisodeStore.open(tmp_path / "s1"), EpisodeStore.open(tmp_path / "s2")
@@ -230,8 +231,13 @@ def test_wmrl_collect_with_worker_processes_stores_the_same_episodes(tmp_path):
         ea, eb = a.episode(i), b.episode(i)
         assert np.array_equal(ea.actions, eb.actions) and np.array_equal(ea.images["agentview"], eb.images["agentview"])
         assert np.array_equal(ea.sim_states, eb.sim_states) and ea.info["init_index"] == eb.info["init_index"]
+        assert ea.info["rotation_noise"] == eb.info["rotation_noise"] == 0.5   # reaches the worker processes
     assert reps[1]["new"] == reps[2]["new"]
     assert not (tmp_path / "s2.workers").exists()
+    bad = _compose("collect", ["suite=tiny", "episodes_per_task=1", "rotation_noise=-1", f"out={tmp_path / 'bad'}"])
+    with pytest.raises(ValueError, match="rotation_noise"):
+        collect.run(bad, RunContext(bad, out_dir=tmp_path / "runbad"))
+    assert not (tmp_path / "bad").exists()
 
 
 def test_suite_config_matches_library_defaults():

@@ -234,6 +234,27 @@ def test_expert_is_deterministic_given_seed(suite):
         ScriptedExpert("lift_red", -1.0)
 
 
+def test_expert_rotation_noise_scales_only_the_rotation_dims(suite):
+    """Same state, same seed: the deviation from the clean expert's action on the rotation dims
+    scales with ``rotation_noise`` (0 removes it), the position dims' deviation does not change."""
+    from sim.env import TaskEnv
+    from sim.expert import ScriptedExpert
+
+    env = TaskEnv("two_cubes", cameras=())
+    env.reset("lift_red", suite.init_state("lift_red", "train", 0))
+    s = env.privileged()
+    clean = ScriptedExpert("lift_red", 0.0, 3).act(s)
+    dev = {r: ScriptedExpert("lift_red", 0.3, 3, rotation_noise=r).act(s) - clean for r in (1.0, 0.5, 0.0)}
+    free = np.abs(clean[3:6] + dev[1.0][3:6]) < 1.0 - 1e-6      # rotation dims the [-1, 1] clip left alone
+    assert free.sum() >= 2 and np.abs(dev[1.0][3:6][free]).min() > 1e-3
+    np.testing.assert_allclose(dev[0.5][3:6][free], 0.5 * dev[1.0][3:6][free], atol=1e-6)
+    np.testing.assert_allclose(dev[0.0][3:6], 0.0, atol=1e-7)
+    np.testing.assert_allclose(dev[0.0][:3], dev[1.0][:3], atol=1e-7)
+    np.testing.assert_allclose(ScriptedExpert("lift_red", 0.3, 3).act(s), dev[1.0] + clean, atol=1e-6)  # 1.0: the default
+    with pytest.raises(ValueError, match="rotation_noise"):
+        ScriptedExpert("lift_red", 0.3, 3, rotation_noise=-0.1)
+
+
 @pytest.mark.parametrize("task", ["lift_green", "stack_red_on_green", "push_red_to_target"])
 def test_clean_expert_solves_an_episode(suite, task):
     from sim.env import TaskEnv

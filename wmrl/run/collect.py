@@ -25,7 +25,8 @@ log = logging.getLogger("wmrl.collect")
 
 
 def _collect_tasks(suite, tasks: list[str], n: int, noise: float, seed: int, out: str,
-                   have: dict[str, int], total: int, position: int = 0, like: str | None = None) -> dict:
+                   have: dict[str, int], total: int, position: int = 0, like: str | None = None,
+                   rotation_noise: float = 1.0) -> dict:
     """Collect the missing episodes of ``tasks`` (in order) into the store at ``out`` (a new store
     shaped like the store at ``like`` when given); returns per-task ``{episodes, successes, steps}``.
     Runs in the main process (``suite`` a Suite) or in a worker (``suite`` its resolved config dict)."""
@@ -40,7 +41,8 @@ def _collect_tasks(suite, tasks: list[str], n: int, noise: float, seed: int, out
     bar = tqdm(total=total, desc="collect" if not position else f"collect[{position}]", unit="ep",
                position=position)
     for t in tasks:
-        for ep in collect_episodes(suite, n, noise=noise, seed=seed, tasks=[t], start_index=have[t]):
+        for ep in collect_episodes(suite, n, noise=noise, seed=seed, tasks=[t], start_index=have[t],
+                                   rotation_noise=rotation_noise):
             store.append(ep)
             s = stats[t]
             s["episodes"] += 1
@@ -79,7 +81,7 @@ def _collect_parallel(cfg: DictConfig, suite, tasks: list[str], n: int, noise: f
     parts = [tmp / f"worker{i}.zarr" for i in range(workers)]
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
         futs = [pool.submit(_collect_tasks, suite_cfg, g, n, noise, int(cfg.seed), str(parts[i]), have,
-                            sum(max(0, n - have[t]) for t in g), i + 1, str(out))
+                            sum(max(0, n - have[t]) for t in g), i + 1, str(out), rotation_noise(cfg))
                 for i, g in enumerate(groups) if g]
         for f in futs:
             stats.update(f.result())
@@ -103,6 +105,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     tasks = list(cfg.tasks) if cfg.get("tasks") else suite.task_names
     n = int(cfg.episodes_per_task)
     noise = float(cfg.noise)
+    rotation_noise(cfg)                      # fail before anything is written
     out = ctx.path(cfg.out)
     kw = dict(cameras={c: suite.image_size for c in suite.cameras}, state_dim=suite.state_dim,
               action_dim=suite.action_space.dim, fps=suite.fps, action_space=suite.action_space,
@@ -118,7 +121,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     if workers > 1:
         stats = _collect_parallel(cfg, suite, tasks, n, noise, out, have, total, workers)
     else:
-        stats = _collect_tasks(suite, tasks, n, noise, int(cfg.seed), str(out), have, total)
+        stats = _collect_tasks(suite, tasks, n, noise, int(cfg.seed), str(out), have, total,
+                               rotation_noise=rotation_noise(cfg))
     store = EpisodeStore.open(out, mode="r")
     for t, s in stats.items():
         s["success_rate"] = s["successes"] / s["episodes"] if s["episodes"] else None
@@ -126,7 +130,16 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     succ = store.successes
     return {"store": str(out), "episodes_in_store": len(store), "steps_in_store": int(store.lengths.sum()),
             "store_success_rate": float(np.mean(succ)) if len(succ) else None,
-            "noise": noise, "episodes_per_task": n, "new": stats}
+            "noise": noise, "rotation_noise": rotation_noise(cfg), "episodes_per_task": n, "new": stats}
+
+
+def rotation_noise(cfg: DictConfig) -> float:
+    """``cfg.rotation_noise`` (the expert's noise on the rotation dims relative to the position
+    dims; 1.0 when absent). Raises ``ValueError`` when negative."""
+    r = float(cfg.get("rotation_noise", 1.0))
+    if r < 0:
+        raise ValueError(f"rotation_noise must be >= 0, got {r}")
+    return r
 
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="collect")

@@ -1,10 +1,11 @@
 """``wmrl collect``: scripted-expert episodes of the sim suite -> EpisodeStore.
 
     wmrl collect suite=default episodes_per_task=100 noise=0.6 out=stores/demos
+    wmrl collect ... noise=0.8 rotation_noise=0.25   # less wrist-rotation jitter: a steadier arm to imagine
 
 Episode ``i`` of a task starts from training init state ``i`` (mod the number of them) with seed
 ``sim.suite.collect_seed(seed, task, i)``; each Episode carries its MuJoCo states and
-``info = {task, init_index, split: "train", seed, noise, failure, ...}``. Failed episodes are kept.
+``info = {task, init_index, split: "train", seed, noise, rotation_noise, failure, ...}``. Failed episodes are kept.
 Running again with the same ``out`` continues each task after the episodes already stored
 (collection is resumable); ``overwrite=true`` starts a new store.
 """

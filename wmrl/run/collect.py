@@ -56,7 +56,7 @@ def _collect_tasks(suite, tasks: list[str], n: int, noise: float, seed: int, out
 
 
 def _collect_parallel(cfg: DictConfig, suite, tasks: list[str], n: int, noise: float, out, have: dict,
-                      total: int, workers: int) -> dict:
+                      total: int, workers: int, rotation_noise: float = 1.0) -> dict:
     """Whole tasks per worker process, each into a store of its own next to ``out``; the main process
     then appends their episodes to ``out`` task by task in ``tasks`` order, so the store is the one
     ``workers=1`` writes, whatever the processes' timing (held-out splits and BC data order depend on
@@ -82,7 +82,7 @@ def _collect_parallel(cfg: DictConfig, suite, tasks: list[str], n: int, noise: f
     parts = [tmp / f"worker{i}.zarr" for i in range(workers)]
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
         futs = [pool.submit(_collect_tasks, suite_cfg, g, n, noise, int(cfg.seed), str(parts[i]), have,
-                            sum(max(0, n - have[t]) for t in g), i + 1, str(out), rotation_noise(cfg))
+                            sum(max(0, n - have[t]) for t in g), i + 1, str(out), rotation_noise)
                 for i, g in enumerate(groups) if g]
         for f in futs:
             stats.update(f.result())
@@ -106,7 +106,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     tasks = list(cfg.tasks) if cfg.get("tasks") else suite.task_names
     n = int(cfg.episodes_per_task)
     noise = float(cfg.noise)
-    rotation_noise(cfg)                      # fail before anything is written
+    rot = float(cfg.get("rotation_noise", 1.0))
+    if rot < 0:                              # fail before anything is written
+        raise ValueError(f"rotation_noise must be >= 0, got {rot}")
     out = ctx.path(cfg.out)
     kw = dict(cameras={c: suite.image_size for c in suite.cameras}, state_dim=suite.state_dim,
               action_dim=suite.action_space.dim, fps=suite.fps, action_space=suite.action_space,
@@ -120,10 +122,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         log.info("continuing %s: already stored %s", out, have)
     workers = max(1, min(int(cfg.get("workers") or 1), len(tasks)))
     if workers > 1:
-        stats = _collect_parallel(cfg, suite, tasks, n, noise, out, have, total, workers)
+        stats = _collect_parallel(cfg, suite, tasks, n, noise, out, have, total, workers, rot)
     else:
-        stats = _collect_tasks(suite, tasks, n, noise, int(cfg.seed), str(out), have, total,
-                               rotation_noise=rotation_noise(cfg))
+        stats = _collect_tasks(suite, tasks, n, noise, int(cfg.seed), str(out), have, total, rotation_noise=rot)
     store = EpisodeStore.open(out, mode="r")
     for t, s in stats.items():
         s["success_rate"] = s["successes"] / s["episodes"] if s["episodes"] else None
@@ -131,16 +132,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     succ = store.successes
     return {"store": str(out), "episodes_in_store": len(store), "steps_in_store": int(store.lengths.sum()),
             "store_success_rate": float(np.mean(succ)) if len(succ) else None,
-            "noise": noise, "rotation_noise": rotation_noise(cfg), "episodes_per_task": n, "new": stats}
-
-
-def rotation_noise(cfg: DictConfig) -> float:
-    """``cfg.rotation_noise`` (the expert's noise on the rotation dims relative to the position
-    dims; 1.0 when absent). Raises ``ValueError`` when negative."""
-    r = float(cfg.get("rotation_noise", 1.0))
-    if r < 0:
-        raise ValueError(f"rotation_noise must be >= 0, got {r}")
-    return r
+            "noise": noise, "rotation_noise": rot, "episodes_per_task": n, "new": stats}
 
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="collect")

@@ -89,9 +89,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     gen = torch.Generator(device=dev).manual_seed(int(cfg.seed))
     report: dict = {"heldout_episodes": held.num_episodes, "heldout_success_rate": float(held.success.mean()),
                     "sampler": {"stochastic": wm.stochastic, "sampling_steps": wm.sampling_steps}}
-    pdims = cfg.get("position_dims")
     hm = horizon_metrics(wm, held, max_chunks=int(cfg.max_chunks), start_stride=int(cfg.start_stride), generator=gen,
-                         position_dims=list(pdims) if pdims is not None else None)
+                         position_dims=cfg.get("position_dims"))
     report["horizons"] = hm
     report["action_following"] = action_following(wm, held, n=int(cfg.action_following_n), seed=int(cfg.seed))
     if critic is not None:

@@ -83,7 +83,7 @@ def heldout_horizons(checkpoint, held, max_chunks: int, position_dims, seed: int
         return {"skipped": f"no held-out episode is longer than one chunk (H={model.chunk_size})"}
     hm = horizon_metrics(model, held, max_chunks=max_chunks, start_stride=model.chunk_size,
                          generator=torch.Generator().manual_seed(seed),
-                         position_dims=list(position_dims) if position_dims is not None else None)
+                         position_dims=position_dims)
     out = {"horizon": hm["horizon"], "psnr_gain_db": hm["psnr_gain"], "n": hm["n"]}
     if "position_error" in hm:
         out.update(position_error_m=hm["position_error"], position_error_copy_m=hm["position_error_copy"])

@@ -69,6 +69,43 @@ def test_presets_merge_and_unknown_preset_errors():
         pipeline.apply_preset(OmegaConf.merge(c, {"preset": "nope"}))
 
 
+def _leaf_keys(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            yield from _leaf_keys(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}"
+
+
+@pytest.mark.parametrize("preset", ["steering", "debug"])
+def test_preset_keys_exist_in_the_stage_configs(preset):
+    """A stage config is merged without struct mode, so a misspelt preset key would be silently ignored:
+    every key a preset sets for a stage must already exist in that stage's composed config."""
+    c = pipeline.compose_stage_config("pipeline", {"preset": preset})
+    p = OmegaConf.to_container(c.presets[preset], resolve=False)
+    groups = (p.get("stage_groups") or {})
+    stage_cfg = {"collect": ("collect", []), "bc": ("train_policy", []), "worldmodel": ("train_worldmodel", []),
+                 "critic": ("train_critic", []), "grpo": ("post_train", ["env=imagination"]), "bc_rollouts": None}
+    checked = 0
+    for stage, over in (p.get("stages") or {}).items():
+        if stage_cfg[stage] is None:   # the pipeline's own stage: its keys are the pipeline's stages.<stage>
+            base = c.stages[stage]
+        else:
+            name, g = stage_cfg[stage]
+            base = pipeline.compose_stage_config(name, groups=g + list(groups.get(stage) or []))
+        for key in _leaf_keys(over):
+            assert OmegaConf.select(base, key, default="<missing>") != "<missing>", f"{preset}: stages.{stage}.{key}"
+            checked += 1
+    assert checked > 0
+
+
+def test_steering_preset_sets_the_recipe():
+    c = pipeline.apply_preset(pipeline.compose_stage_config("pipeline", {"preset": "steering"}))
+    assert c.stages.collect.rotation_noise == 0.0 and c.stages.collect.noise == 0.9
+    assert c.stages.grpo.steer.enabled and c.stages.grpo.grpo.ratio == "chain"
+    assert c.stages.collect.workers == 2 and c.evaluation.episodes_per_task == 50   # the rest stays the default
+
+
 def test_plots_are_written(tmp_path):
     r = {"success": 0.4, "ci95": [0.3, 0.5], "per_task": {"a": {"success": 0.2, "ci95": [0.1, 0.4]},
                                                           "b": {"success": 0.6, "ci95": [0.4, 0.7]}}}

@@ -234,10 +234,11 @@ def test_wmrl_collect_with_worker_processes_stores_the_same_episodes(tmp_path):
         assert ea.info["rotation_noise"] == eb.info["rotation_noise"] == 0.5   # reaches the worker processes
     assert reps[1]["new"] == reps[2]["new"]
     assert not (tmp_path / "s2.workers").exists()
-    bad = _compose("collect", ["suite=tiny", "episodes_per_task=1", "rotation_noise=-1", f"out={tmp_path / 'bad'}"])
-    with pytest.raises(ValueError, match="rotation_noise"):
-        collect.run(bad, RunContext(bad, out_dir=tmp_path / "runbad"))
-    assert not (tmp_path / "bad").exists()
+    for key in ("rotation_noise", "noise"):
+        bad = _compose("collect", ["suite=tiny", "episodes_per_task=1", f"{key}=-1", f"out={tmp_path / 'bad'}"])
+        with pytest.raises(ValueError, match=f"^{key} must be >= 0"):
+            collect.run(bad, RunContext(bad, out_dir=tmp_path / "runbad"))
+        assert not (tmp_path / "bad").exists()
 
 
 def test_suite_config_matches_library_defaults():

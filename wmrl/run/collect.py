@@ -107,8 +107,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     n = int(cfg.episodes_per_task)
     noise = float(cfg.noise)
     rot = float(cfg.get("rotation_noise", 1.0))
-    if rot < 0:                              # fail before anything is written
-        raise ValueError(f"rotation_noise must be >= 0, got {rot}")
+    for name, v in (("noise", noise), ("rotation_noise", rot)):
+        if v < 0:                            # fail before anything is written (the expert checks too, later)
+            raise ValueError(f"{name} must be >= 0, got {v}")
     out = ctx.path(cfg.out)
     kw = dict(cameras={c: suite.image_size for c in suite.cameras}, state_dim=suite.state_dim,
               action_dim=suite.action_space.dim, fps=suite.fps, action_space=suite.action_space,

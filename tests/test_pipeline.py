@@ -106,6 +106,44 @@ def test_steering_preset_sets_the_recipe():
     assert c.stages.collect.workers == 2 and c.evaluation.episodes_per_task == 50   # the rest stays the default
 
 
+def test_command_line_overrides_win_over_the_preset():
+    c = pipeline.compose_stage_config("pipeline", {"preset": "steering"})
+    assert pipeline.apply_preset(c).stages.grpo.iterations == 40            # the preset's own value
+    d = pipeline.apply_preset(c, ["preset=steering", "stages.grpo.iterations=60", "+stages.grpo.seed=1",
+                                  "stages.grpo.grpo={epochs: 2}", "suite=default", "~stages.bc"], groups={"suite"})
+    assert d.stages.grpo.iterations == 60 and d.stages.grpo.seed == 1 and d.preset == "steering"
+    assert d.stages.grpo.grpo.epochs == 2 and d.stages.grpo.grpo.ratio == "chain"   # dict values merge, as in Hydra
+    assert d.stages.grpo.lr == 1.0e-4 and d.stages.grpo.steer.enabled                # the rest of the preset stays
+    assert OmegaConf.is_dict(d.suite) and "bc" in d.stages   # group selections and deletions are not values
+
+
+def test_pipeline_main_passes_the_command_line_to_the_preset(tmp_path, monkeypatch):
+    """Through the real Hydra entry point (the stages themselves replaced by a stub)."""
+    import sys
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    seen = {}
+
+    def fake_run(cfg, ctx):
+        seen["cfg"] = pipeline.apply_preset(cfg, *pipeline.command_line_overrides())
+        return {}
+
+    monkeypatch.setattr(pipeline, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["wmrl pipeline", "preset=steering", "stages.grpo.iterations=60",
+                                      "suite=tiny", f"hydra.run.dir={tmp_path}"])
+    try:
+        pipeline.main()
+    finally:
+        HydraConfig.instance().cfg = None   # later tests run outside a Hydra app
+        GlobalHydra.instance().clear()
+    cfg = seen["cfg"]
+    assert cfg.stages.grpo.iterations == 60 and cfg.stages.grpo.lr == 1.0e-4
+    assert OmegaConf.is_dict(cfg.suite) and cfg.stages.collect.rotation_noise == 0.0
+    assert not HydraConfig.initialized()
+
+
 def test_plots_are_written(tmp_path):
     r = {"success": 0.4, "ci95": [0.3, 0.5], "per_task": {"a": {"success": 0.2, "ci95": [0.1, 0.4]},
                                                           "b": {"success": 0.6, "ci95": [0.4, 0.7]}}}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -210,8 +211,29 @@ def real_curve(grpo_report: dict, before: dict, after: dict) -> list[dict]:
     return [pts[k] for k in sorted(pts)]
 
 
-def apply_preset(cfg: DictConfig) -> DictConfig:
-    """Merge ``cfg.presets[cfg.preset]`` onto ``cfg`` (no-op for ``preset=null``)."""
+def command_line_overrides() -> tuple[list[str], set[str]]:
+    """The running Hydra app's command-line overrides (``key=value`` strings, ``hydra.*`` excluded) and
+    the names of its config groups; ``([], set())`` outside a Hydra app (tests, ``compose``)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return [], set()
+    hc = HydraConfig.get()
+    return list(hc.overrides.task), set(hc.runtime.choices.keys())
+
+
+def apply_preset(cfg: DictConfig, overrides: Sequence[str] = (), groups: Collection[str] = ()) -> DictConfig:
+    """Merge ``cfg.presets[cfg.preset]`` onto ``cfg`` (no-op for ``preset=null``), then re-apply the
+    command line's value overrides so that they win over the preset, as over any config value:
+    ``wmrl pipeline preset=steering stages.grpo.iterations=60`` runs 60 iterations, not the preset's 40.
+
+    Args:
+        overrides: Hydra override strings (``key=value``, ``+key=value``, ``++key=value``), e.g.
+            :func:`command_line_overrides`; deletions (``~key``) and config group selections are
+            skipped (the groups were chosen when the config was composed).
+        groups: config group names (``suite``, ...), whose overrides are selections, not values.
+
+    Raises: ``ValueError`` for an unknown preset name."""
     name = cfg.get("preset")
     if not name:
         return cfg
@@ -220,6 +242,14 @@ def apply_preset(cfg: DictConfig) -> DictConfig:
         raise ValueError(f"unknown pipeline preset {name!r}; known: {sorted(presets)}")
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))  # not struct: presets may add keys
     merged = OmegaConf.merge(cfg, presets[name])
+    if overrides:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        for o in OverridesParser.create().parse_overrides(list(overrides)):
+            key = o.key_or_group
+            if o.is_delete() or key in groups or key == "preset" or key.startswith("hydra."):
+                continue
+            OmegaConf.update(merged, key, o.value(), merge=True, force_add=True)  # as Hydra applies it
     with open_dict(merged):
         merged.preset = name
     return merged
@@ -284,7 +314,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     """The main job (see module docstring). Returns the report: ``stages`` (wall time per stage),
     ``before`` / ``after`` (success per task with CIs), ``success_gain``, paths of plots, videos and
     checkpoints."""
-    cfg = apply_preset(cfg)
+    cfg = apply_preset(cfg, *command_line_overrides())
     (ctx.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     from wmrl.run.post_train import make_sim_env
 

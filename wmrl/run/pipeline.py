@@ -20,7 +20,11 @@ each is a ``run(cfg, ctx)`` of its entry-point module, called in process):
    (``success_before_after.png``, ``imagined_vs_real.png``) and videos (``videos/*.mp4``).
 
 ``preset=debug`` shrinks every stage so that the whole loop runs in about a minute (tests).
-With ``resume=true`` (default) a stage whose ``report.json`` exists is not run again.
+Every ``stages.<stage>`` key is checked against that stage's own config before anything runs (an
+unknown key or a value of the wrong type is an error, not a setting silently ignored 20 minutes later).
+With ``resume=true`` (default) a stage whose ``report.json`` exists is not run again, provided it was run
+with the same settings (``stage_inputs.json``); otherwise the pipeline stops and says which stage
+directories to remove (it never overwrites results).
 """
 
 from __future__ import annotations
@@ -72,17 +76,161 @@ def _container(x):
     return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
 
 
-class Stages:
-    """Runs named stages in ``ctx.child(name)``, timing them and skipping finished ones on resume."""
+# stage -> (its entry point's config, Hydra group selections it always gets); bc_rollouts is the pipeline's own
+STAGE_CONFIGS: dict[str, tuple[str, list[str]]] = {
+    "collect": ("collect", []), "bc": ("train_policy", []), "worldmodel": ("train_worldmodel", []),
+    "critic": ("train_critic", []), "grpo": ("post_train", ["env=imagination"])}
+STAGE_ORDER = ("collect", "bc", "bc_rollouts", "worldmodel", "critic", "imagination_check", "eval_before", "grpo",
+               "eval_after")
+# settings that do not change a stage's results: a resumed run may change them
+RESULT_NEUTRAL_KEYS = frozenset({"num_threads", "workers", "progress", "tensorboard", "resume"})
 
-    def __init__(self, ctx: RunContext, resume: bool):
+
+def _leaves(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            yield from _leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def _type_ok(value, default) -> bool:
+    if value is None or default is None or (isinstance(value, str) and value.startswith("${")):
+        return True
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return True
+
+
+def check_stage_overrides(cfg: DictConfig) -> int:
+    """Check every key under ``cfg.stages.<stage>`` against the stage's own composed config (its entry
+    point's, with ``cfg.stage_groups``; for ``bc_rollouts`` the pipeline config's defaults): the key must
+    exist there (below a node with ``_target_`` or a ``null`` default anything goes) and a value must have
+    the default's type (bool, int, float; ``null`` always allowed). Stage configs are merged onto the
+    entry points' configs without Hydra's struct mode, so without this check a misspelt key
+    (``+stages.grpo.iteratons=3``) would be ignored and a wrong type fail only when its stage starts.
+
+    Returns the number of keys checked. Raises ``ValueError`` naming every bad key and what to change."""
+    import difflib
+
+    stages = OmegaConf.to_container(cfg.get("stages") or {}, resolve=False)
+    groups = cfg.get("stage_groups") or {}
+    errors: list[str] = []
+    checked = 0
+    for stage, over in stages.items():
+        if over is None:
+            continue
+        if stage == "bc_rollouts":
+            base, where = compose_stage_config("pipeline").stages.bc_rollouts, "configs/pipeline.yaml stages.bc_rollouts"
+        elif stage in STAGE_CONFIGS:
+            name, g = STAGE_CONFIGS[stage]
+            base = compose_stage_config(name, groups=g + [str(x) for x in (groups.get(stage) or [])])
+            where = f"configs/{name}.yaml"
+        else:
+            errors.append(f"stages.{stage}: no such configurable stage (stages: bc_rollouts, {', '.join(STAGE_CONFIGS)})")
+            continue
+        base = OmegaConf.to_container(base, resolve=False)
+        for key, value in _leaves(over):
+            checked += 1
+            node, parts = base, key.split(".")
+            for i, part in enumerate(parts):
+                if not isinstance(node, dict) or "_target_" in node:
+                    break                   # a free-form value or an instantiable object's kwargs
+                if part not in node:
+                    near = difflib.get_close_matches(part, [str(k) for k in node], n=3)
+                    hint = f"; did you mean {', '.join(near)}?" if near else f"; keys there: {', '.join(map(str, node))}"
+                    errors.append(f"stages.{stage}.{'.'.join(parts[:i + 1])}: no such key in the {stage} stage's "
+                                  f"config ({where}){hint}")
+                    break
+                node = node[part]
+                if i == len(parts) - 1 and not _type_ok(value, node):
+                    kind = {"bool": "true or false", "int": "an integer", "float": "a number"}[type(node).__name__]
+                    errors.append(f"stages.{stage}.{key}={value!r}: expected {kind}, like the {stage} stage's "
+                                  f"default ({node!r}, {where})")
+    if errors:
+        raise ValueError("bad stage settings (nothing was run):\n  " + "\n  ".join(errors))
+    return checked
+
+
+def _stage_inputs(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """A stage's resolved config as dotted keys, paths inside the run directory written relative to it
+    (``<run_dir>/...``) and result-neutral settings left out: what a resumed stage is compared on."""
+    root = str(run_dir)
+
+    def norm(v):
+        if isinstance(v, str):
+            return v.replace(root, "<run_dir>")
+        if isinstance(v, list):
+            return [norm(x) for x in v]
+        return v
+
+    flat = dict(_leaves(OmegaConf.to_container(cfg, resolve=True)))
+    return {k: norm(v) for k, v in flat.items() if k.split(".")[-1] not in RESULT_NEUTRAL_KEYS}
+
+
+class Stages:
+    """Runs named stages in ``ctx.child(name)``, timing them and skipping finished ones on resume.
+
+    A finished stage (``<stage>/report.json``) is reused only when it was run with the same settings: its
+    ``stage_inputs.json`` (written when it finished) must equal this run's (:func:`_stage_inputs`).
+
+    Raises ``ValueError`` (before anything runs): a stage to reuse was run with other settings, or a
+    stage that will run has finished stages after it (their results came from the old one)."""
+
+    INPUTS_FILE = "stage_inputs.json"
+
+    def __init__(self, ctx: RunContext, resume: bool, order: Sequence[str] = ()):
         self.ctx, self.resume = ctx, resume
         self.wall: dict[str, float] = {}
         self.reports: dict[str, dict] = {}
+        if resume:
+            self._check_order(list(order))
+
+    def _done(self, name: str) -> bool:
+        return (self.ctx.out_dir / name / "report.json").is_file()
+
+    def _check_order(self, order: list[str]) -> None:
+        for i, name in enumerate(order):
+            if not self._done(name):
+                later = [m for m in order[i + 1:] if self._done(m)]
+                if later:
+                    d = self.ctx.out_dir
+                    raise ValueError(
+                        f"stage {name} has no results in {d} but the later stage(s) {', '.join(later)} do: they came "
+                        f"from an earlier {name}. Remove them to rerun from {name} "
+                        f"(rm -r {' '.join(str(d / m) for m in later)}), or start a new run directory "
+                        f"(hydra.run.dir=...)")
+                return
+
+    def _check_same_inputs(self, name: str, cfg: DictConfig) -> None:
+        f = self.ctx.out_dir / name / self.INPUTS_FILE
+        if not f.is_file():
+            log.warning("stage %s: no %s (run by an older wmrl): reusing it without comparing its settings", name,
+                        self.INPUTS_FILE)
+            return
+        old = json.loads(f.read_text())
+        new = json.loads(json.dumps(_stage_inputs(cfg, self.ctx.out_dir)))
+        diff = [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in sorted(set(old) | set(new))
+                if old.get(k, "<unset>") != new.get(k, "<unset>")]
+        if diff:
+            d = self.ctx.out_dir
+            i = STAGE_ORDER.index(name) if name in STAGE_ORDER else len(STAGE_ORDER)
+            again = [name] + [m for m in STAGE_ORDER[i + 1:] if self._done(m)]
+            shown = "; ".join(diff[:8]) + (f"; ... ({len(diff)} in all)" if len(diff) > 8 else "")
+            raise ValueError(
+                f"stage {name} in {d} was run with other settings ({shown}); it is not rerun over its results. "
+                f"To rerun it with these settings remove it and the stages after it "
+                f"(rm -r {' '.join(str(d / m) for m in again)}), or start a new run directory (hydra.run.dir=...), "
+                f"or rerun every stage here (resume=false)")
 
     def run(self, name: str, cfg: DictConfig, fn) -> dict:
         rp = self.ctx.out_dir / name / "report.json"
         if self.resume and rp.is_file():
+            self._check_same_inputs(name, cfg)
             rep = json.loads(rp.read_text())
             log.info("stage %s: done before, reusing %s", name, rp)
             self.wall[name] = float(rep.get("wall_time_s", 0.0))
@@ -94,6 +242,7 @@ class Stages:
             rep = dict(rep)
             rep["wall_time_s"] = round(time.time() - t0, 3)
             sub.finish(rep)
+            (sub.out_dir / self.INPUTS_FILE).write_text(json.dumps(_stage_inputs(cfg, self.ctx.out_dir), indent=1))
             rep = json.loads(rp.read_text())
             self.wall[name] = rep["wall_time_s"]
             log.info("stage %s: %.1f s", name, self.wall[name])
@@ -297,9 +446,10 @@ def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: di
     r = replay_check(imag, sim_env, policy, starts, g, int(gcfg.grpo.max_chunks),
                      generator=torch.Generator().manual_seed(int(c.seed)), progress=True)
     r["sampler"] = repr(policy.sampler)  # the RL sampler, or the latent-noise steering's
+    acc_s = "n/a (no group with both outcomes in the sim)" if r["pair_accuracy"] is None else f"{r['pair_accuracy']:.2f} (0.5 = chance)"
     log.info("imagination check: imagined success %.3f, the same actions replayed in the sim %.3f; within-group "
-             "pair accuracy %s (0.5 = chance), %d/%d groups mixed in imagination, %d in the sim",
-             r["imagined_success"], r["replayed_success"], r["pair_accuracy"], r["mixed_groups_imagined"],
+             "pair accuracy %s, %d/%d groups mixed in imagination, %d in the sim",
+             r["imagined_success"], r["replayed_success"], acc_s, r["mixed_groups_imagined"],
              r["groups"], r["mixed_groups_real"])
     acc, prec = r["pair_accuracy"], r["precision"]
     if (acc is not None and acc < 0.6) or (prec is not None and prec < 0.5):
@@ -315,6 +465,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     ``before`` / ``after`` (success per task with CIs), ``success_gain``, paths of plots, videos and
     checkpoints."""
     cfg = apply_preset(cfg, *command_line_overrides())
+    check_stage_overrides(cfg)
     (ctx.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     from wmrl.run.post_train import make_sim_env
 
@@ -323,7 +474,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     suite_cfg["tasks"] = list(cfg.tasks)
     suite = hydra.utils.instantiate(suite_cfg)
     tasks = {t: suite.instruction(t) for t in suite.task_names}
-    stages = Stages(ctx, resume=bool(cfg.resume))
+    check_fidelity = int((cfg.get("imagination_check") or {}).get("starts_per_task", 0) or 0) > 0
+    stages = Stages(ctx, resume=bool(cfg.resume),
+                    order=[n for n in STAGE_ORDER if n != "imagination_check" or check_fidelity])
     out = ctx.out_dir
     task_list = list(tasks)
     seed = int(cfg.seed)
@@ -331,17 +484,18 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     S = cfg.stages
     G = cfg.get("stage_groups") or {}
 
-    def groups(name: str) -> list[str]:
-        return [str(x) for x in (G.get(name) or [])]
+    def stage_config(stage: str, overrides: dict) -> DictConfig:   # the stage's entry-point config + overrides
+        name, always = STAGE_CONFIGS[stage]
+        return compose_stage_config(name, overrides, groups=always + [str(x) for x in (G.get(stage) or [])])
 
     # 1. noisy scripted demos
     demos = out / "collect" / "demos.zarr"
-    c = compose_stage_config("collect", {**common, **_container(S.collect), "suite": suite_cfg, "tasks": task_list,
-                                         "out": str(demos)}, groups=groups("collect"))
+    c = stage_config("collect", {**common, **_container(S.collect), "suite": suite_cfg, "tasks": task_list,
+                                 "out": str(demos)})
     stages.run("collect", c, _module_run("collect"))
 
     # 2. behaviour cloning
-    c = compose_stage_config("train_policy", {**common, **_container(S.bc), "store": str(demos)}, groups=groups("bc"))
+    c = stage_config("bc", {**common, **_container(S.bc), "store": str(demos)})
     stages.run("bc", c, _module_run("train_policy"))
     bc_ckpt = out / "bc" / "checkpoints" / "last"
 
@@ -374,35 +528,38 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     stages.run("bc_rollouts", OmegaConf.create({**common, **_container(S.bc_rollouts)}), _bc_rollouts)
 
     # 4. world model + critic on demos + rollouts
-    c = compose_stage_config("train_worldmodel", {**common, **_container(S.worldmodel), "store": str(mixed)},
-                             groups=groups("worldmodel"))
+    c = stage_config("worldmodel", {**common, **_container(S.worldmodel), "store": str(mixed)})
     wm_rep = stages.run("worldmodel", c, _module_run("train_worldmodel"))
     wm_ckpt = out / "worldmodel" / "checkpoints" / "last"
     critic_over = _container(S.critic) or {}
     critic_over["imagined"] = {**(critic_over.get("imagined") or {}), "world_model": str(wm_ckpt)}
-    c = compose_stage_config("train_critic", {**common, **critic_over, "store": str(mixed)},
-                             groups=groups("critic"))
+    c = stage_config("critic", {**common, **critic_over, "store": str(mixed)})
     stages.run("critic", c, _module_run("train_critic"))
     critic_ckpt = out / "critic" / "checkpoints" / "last"
 
     # 5-8. imagination check, real-sim evaluation before, GRPO in imagination, evaluation after
-    gcfg = compose_stage_config(
-        "post_train",
+    gcfg = stage_config(
+        "grpo",
         {**common, **_container(S.grpo), "checkpoint": str(bc_ckpt), "tasks": task_list, "suite": suite_cfg,
          "starts": {**(_container(S.grpo.get("starts", {})) or {}), "store": str(mixed)},   # keyframes: demos + rollouts
          "refresh": {**(_container(S.grpo.get("refresh", {})) or {}), "store": str(mixed)},  # replay: the world model's data
-         "env": {**_container(S.grpo.get("env", {}) or {}), "world_model": str(wm_ckpt), "critic": str(critic_ckpt)}},
-        groups=["env=imagination"] + groups("grpo"))
+         "env": {**_container(S.grpo.get("env", {}) or {}), "world_model": str(wm_ckpt), "critic": str(critic_ckpt)}})
     fid = None
-    if int((cfg.get("imagination_check") or {}).get("starts_per_task", 0) or 0) > 0:
-        fid = stages.run("imagination_check", OmegaConf.create({**common, **_container(cfg.imagination_check)}),
+    if check_fidelity:   # its config also holds what it takes from GRPO's (compared when the stage is reused)
+        used = {"rl_sampler": gcfg.get("rl_sampler"), "steer": gcfg.get("steer"), "group_size": gcfg.grpo.group_size,
+                "max_chunks": gcfg.grpo.max_chunks, "n_init": gcfg.starts.get("n_init"),
+                "env": {k: gcfg.env.get(k) for k in ("world_model", "critic", "imagination")}}
+        fid = stages.run("imagination_check",
+                         OmegaConf.create({**common, **_container(cfg.imagination_check), "grpo": _container(used)}),
                          lambda c_, x_: _imagination_check(c_, gcfg, bc_ckpt, tasks, suite))
     nv = int(cfg.videos.per_task)
-    before = stages.run("eval_before", OmegaConf.create({**common, "checkpoint": str(bc_ckpt)}),
+    ev = {**common, "suite": suite_cfg, "tasks": task_list, "evaluation": _container(cfg.evaluation),
+          "eval_sampler": _container(cfg.get("eval_sampler")), "videos_per_task": nv}
+    before = stages.run("eval_before", OmegaConf.create({**ev, "checkpoint": str(bc_ckpt)}),
                         lambda c_, x_: _eval_policy(bc_ckpt, cfg, tasks, suite, x_.out_dir, nv))
     grep = stages.run("grpo", gcfg, _module_run("post_train"))
     grpo_ckpt = out / "grpo" / "checkpoints" / "last"
-    after = stages.run("eval_after", OmegaConf.create({**common, "checkpoint": str(grpo_ckpt)}),
+    after = stages.run("eval_after", OmegaConf.create({**ev, "checkpoint": str(grpo_ckpt)}),
                        lambda c_, x_: _eval_policy(grpo_ckpt, cfg, tasks, suite, x_.out_dir, nv))
 
     # 8. plots, videos, report

@@ -41,3 +41,14 @@ def test_pipeline_debug_preset_end_to_end(tmp_path):
     # resume: every stage is reused, the report is the same
     rep2 = pipeline.run(cfg, RunContext(cfg, out_dir=tmp_path))
     assert rep2["per_task"] == rep["per_task"] and rep2["stages"] == rep["stages"]
+    # the saved config is the one that ran: the preset merged in, not the block of every preset
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.load(tmp_path / "config.yaml")
+    assert saved.preset == "debug" and "presets" not in saved and saved.stages.grpo.iterations == 2
+    assert all((tmp_path / s / "stage_inputs.json").is_file() for s in stages)
+    # resuming with other GRPO settings stops before running anything and names what to remove
+    cfg3 = OmegaConf.merge(cfg, {"stages": {"grpo": {"lr": 1.0e-4}}})   # a key the preset leaves alone
+    with pytest.raises(ValueError, match=r"stage grpo .* \(lr: 3e-05 -> 0.0001\).*eval_after"):
+        pipeline.run(cfg3, RunContext(cfg3, out_dir=tmp_path))
+    assert json.loads((tmp_path / "grpo" / "report.json").read_text())["iterations"] == 2

@@ -466,7 +466,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     checkpoints."""
     cfg = apply_preset(cfg, *command_line_overrides())
     check_stage_overrides(cfg)
-    (ctx.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    saved = OmegaConf.to_container(cfg, resolve=True)
+    saved.pop("presets", None)           # the applied one is merged in (and named by `preset`)
+    (ctx.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
     from wmrl.run.post_train import make_sim_env
 
     t_start = time.time()

@@ -120,7 +120,9 @@ def test_bad_stage_settings_are_refused_before_anything_runs():
     c = pipeline.compose_stage_config("pipeline", {"preset": "steering"})
     c = pipeline.apply_preset(c, ["+stages.grpo.iteratons=3", "stages.grpo.iterations=abc", "+stages.grpo.seed=1",
                                   "+stages.bc_rollouts.samplr=1", "+stages.grpo.rl_sampler.foo=2", "stages.grpo.lr=1",
-                                  "+stages.grpo.steer.enabled=1", "+stages.bogus.x=1", "stages.bc.steps=null"])
+                                  "+stages.grpo.steer.enabled=1", "+stages.bogus.x=1", "stages.bc.steps=null",
+                                  "+stages.grpo.refresh.worldmodel.seconds=2.5", "+stages.bc.train.time_budget_s=90.5",
+                                  "+stages.grpo.env.context_env={_target_: x.Y}"])
     with pytest.raises(ValueError) as e:
         pipeline.check_stage_overrides(c)
     msg = str(e.value)
@@ -129,8 +131,8 @@ def test_bad_stage_settings_are_refused_before_anything_runs():
     assert "stages.bc_rollouts.samplr" in msg and "stages.grpo.steer.enabled=1: expected true or false" in msg
     assert "stages.bogus: no such configurable stage" in msg
     # allowed: a key the stage config has (seed), kwargs of an instantiable object (rl_sampler has _target_),
-    # an integer for a float, null for anything
-    for ok in ("seed", "rl_sampler", "stages.grpo.lr", "stages.bc.steps"):
+    # an integer for a float, null for anything, fractional seconds, an optional env (declared null)
+    for ok in ("seed", "rl_sampler", "stages.grpo.lr", "stages.bc.steps", "seconds", "time_budget_s", "context_env"):
         assert ok not in msg
     assert len(msg.strip().splitlines()) == 1 + 5
 

@@ -178,25 +178,32 @@ class Stages:
     A finished stage (``<stage>/report.json``) is reused only when it was run with the same settings: its
     ``stage_inputs.json`` (written when it finished) must equal this run's (:func:`_stage_inputs`).
 
+    ``order``: the stages in run order, for the up-front check and the directories an error names.
+
     Raises ``ValueError`` (before anything runs): a stage to reuse was run with other settings, or a
     stage that will run has finished stages after it (their results came from the old one)."""
 
     INPUTS_FILE = "stage_inputs.json"
 
     def __init__(self, ctx: RunContext, resume: bool, order: Sequence[str] = ()):
-        self.ctx, self.resume = ctx, resume
+        self.ctx, self.resume, self.order = ctx, resume, list(order)
         self.wall: dict[str, float] = {}
         self.reports: dict[str, dict] = {}
         if resume:
-            self._check_order(list(order))
+            self._check_order()
 
     def _done(self, name: str) -> bool:
         return (self.ctx.out_dir / name / "report.json").is_file()
 
-    def _check_order(self, order: list[str]) -> None:
-        for i, name in enumerate(order):
+    def _finished_after(self, name: str) -> list[str]:
+        """Stages after ``name`` in ``order`` that have results."""
+        i = self.order.index(name) if name in self.order else len(self.order)
+        return [m for m in self.order[i + 1:] if self._done(m)]
+
+    def _check_order(self) -> None:
+        for name in self.order:
             if not self._done(name):
-                later = [m for m in order[i + 1:] if self._done(m)]
+                later = self._finished_after(name)
                 if later:
                     d = self.ctx.out_dir
                     raise ValueError(
@@ -218,8 +225,7 @@ class Stages:
                 if old.get(k, "<unset>") != new.get(k, "<unset>")]
         if diff:
             d = self.ctx.out_dir
-            i = STAGE_ORDER.index(name) if name in STAGE_ORDER else len(STAGE_ORDER)
-            again = [name] + [m for m in STAGE_ORDER[i + 1:] if self._done(m)]
+            again = [name] + self._finished_after(name)
             shown = "; ".join(diff[:8]) + (f"; ... ({len(diff)} in all)" if len(diff) > 8 else "")
             raise ValueError(
                 f"stage {name} in {d} was run with other settings ({shown}); it is not rerun over its results. "

@@ -26,9 +26,44 @@ def requested_gl() -> str | None:
     return _REQUESTED
 
 
+# robosuite warns at import about optional packages for other robots (GR1's whole-body IK, the
+# robosuite_models robot zoo), which the Panda scenes here do not use, and recommends writing a private
+# macro file into its own install (setup_macros.py), which wmrl does not need (sim/_backend handles
+# MUJOCO_GL itself).
+_IRRELEVANT_WARNINGS = ("Could not import robosuite_models", "Could not load the mink-based whole-body IK",
+                        "No private macro file found",
+                        "It is recommended to use a private macro file", "robosuite/scripts/setup_macros.py")
+
+
+class _DropIrrelevant(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(s in msg for s in _IRRELEVANT_WARNINGS)
+
+
+def _quiet_robosuite_logger() -> logging.Logger:
+    """robosuite's logger prints through its own console handler *and* propagates to the root logger
+    (Hydra's console and log file), so every message appeared twice. Keep the propagation (one line, also
+    in the run's log file), drop robosuite's own console handler, and filter the two import-time
+    warnings that do not concern the Panda."""
+    lg = logging.getLogger("robosuite_logs")
+    if not any(isinstance(f, _DropIrrelevant) for f in lg.filters):
+        lg.addFilter(_DropIrrelevant())
+    return lg
+
+
+def _drop_robosuite_console(lg: logging.Logger) -> None:
+    for h in list(lg.handlers):
+        if type(h) is logging.StreamHandler:   # robosuite's console handler (a FileHandler, if any, stays)
+            lg.removeHandler(h)
+
+
 def _import():
     if _mods:
         return _mods
+    lg = _quiet_robosuite_logger()      # before the import: the warnings are logged while importing
+    propagate, lg.propagate = lg.propagate, False   # while robosuite's own console handler exists
+    logging.getLogger("OpenGL").setLevel(logging.WARNING)   # PyOpenGL logs "No OpenGL_accelerate" etc. at INFO
     before = os.environ.get("MUJOCO_GL", None)
     bad = before is not None and before.lower().strip() not in _MUJOCO_VALID
     if bad:
@@ -42,8 +77,10 @@ def _import():
             os.environ.pop("MUJOCO_GL", None)
         else:
             os.environ["MUJOCO_GL"] = before
+        _drop_robosuite_console(lg)
+        lg.propagate = propagate
     # robosuite logs every controller-config load at INFO; keep warnings only
-    logging.getLogger("robosuite_logs").setLevel(logging.WARNING)
+    lg.setLevel(logging.WARNING)
     _mods["mujoco"] = sys.modules["mujoco"]
     _mods["robosuite"] = sys.modules["robosuite"]
     return _mods

@@ -299,6 +299,29 @@ def test_import_needs_no_gl_and_bad_backend_names_mujoco_gl():
     assert "egl" in line and "osmesa" in line  # names the backends
 
 
+def test_robosuite_messages_print_once_and_import_noise_is_dropped():
+    """robosuite's logger had its own console handler and propagated to the root (Hydra's) handlers:
+    every message printed twice, and its import warnings about other robots' packages on every run."""
+    code = textwrap.dedent("""
+        import logging
+        logging.basicConfig(level=logging.INFO, format="ROOT %(name)s %(message)s")
+        from sim import _backend
+        _backend.robosuite()
+        lg = logging.getLogger("robosuite_logs")
+        lg.warning("controller gains out of range")
+        print("handlers", [type(h).__name__ for h in lg.handlers], "propagate", lg.propagate)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, MUJOCO_GL="egl"),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout + p.stderr
+    assert out.count("controller gains out of range") == 1, out      # once, through the root handlers
+    assert "ROOT robosuite_logs controller gains out of range" in out
+    assert "handlers [] propagate True" in out
+    for noise in ("robosuite_models", "mink-based", "private macro file", "setup_macros", "OpenGL_accelerate"):
+        assert noise not in out, out
+
+
 def test_push_target_is_drawn_on_the_table(suite):
     from sim.env import TaskEnv
 

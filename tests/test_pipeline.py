@@ -110,6 +110,23 @@ def test_stage_to_rerun_with_finished_later_stages_is_refused_up_front(tmp_path)
     pipeline.Stages(ctx, resume=False, order=["a", "b", "c"])  # resume=false reruns everything: no check
 
 
+def test_a_refused_resume_keeps_the_run_directory_config(tmp_path, monkeypatch):
+    old = OmegaConf.create({"seed": 0, "num_threads": 1, "lr": 3.0e-5})
+    RunContext(old, out_dir=tmp_path)
+    saved = (tmp_path / "config.yaml").read_text()
+    new = OmegaConf.merge(old, {"lr": 1.0e-4})
+
+    def refuse(cfg, ctx):
+        raise pipeline.ResumeRefused("stage grpo was run with other settings")
+
+    monkeypatch.setattr(pipeline, "_run", refuse)
+    ctx = RunContext(new, out_dir=tmp_path)
+    assert "0.0001" in (tmp_path / "config.yaml").read_text()     # written at the start, as for every command
+    with pytest.raises(ValueError, match="other settings"):
+        pipeline.run(new, ctx)
+    assert (tmp_path / "config.yaml").read_text() == saved       # put back: it describes the results there
+
+
 @pytest.mark.parametrize("preset", [None, "steering", "debug"])
 def test_default_and_preset_stage_settings_pass_the_check(preset):
     c = pipeline.apply_preset(pipeline.compose_stage_config("pipeline", {"preset": preset}))

@@ -49,6 +49,8 @@ def test_pipeline_debug_preset_end_to_end(tmp_path):
     assert all((tmp_path / s / "stage_inputs.json").is_file() for s in stages)
     # resuming with other GRPO settings stops before running anything and names what to remove
     cfg3 = OmegaConf.merge(cfg, {"stages": {"grpo": {"lr": 1.0e-4}}})   # a key the preset leaves alone
+    before = (tmp_path / "config.yaml").read_text()
     with pytest.raises(ValueError, match=r"stage grpo .* \(lr: 3e-05 -> 0.0001\).*eval_after"):
         pipeline.run(cfg3, RunContext(cfg3, out_dir=tmp_path))
+    assert (tmp_path / "config.yaml").read_text() == before     # the refused settings are not saved over it
     assert json.loads((tmp_path / "grpo" / "report.json").read_text())["iterations"] == 2

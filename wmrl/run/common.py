@@ -110,11 +110,20 @@ class RunContext:
                 self.out_dir = Path.cwd() / "runs" / time.strftime("%Y-%m-%d/%H-%M-%S")
                 self.launch_dir = Path.cwd()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        prev = self.out_dir / "config.yaml"
+        # a resumed run's config, put back by restore_config() when the resume is refused
+        self.previous_config: str | None = prev.read_text() if prev.is_file() else None
+        prev.write_text(OmegaConf.to_yaml(cfg, resolve=True))
         set_threads(cfg.get("num_threads", None))
         if "seed" in cfg:
             seed_everything(int(cfg.seed))
         log.info("run directory: %s", self.out_dir)
+
+    def restore_config(self) -> None:
+        """Put back the ``config.yaml`` this run directory had before this command (if any): for a
+        command that refused to resume, so the directory's config still describes its results."""
+        if self.previous_config is not None:
+            (self.out_dir / "config.yaml").write_text(self.previous_config)
 
     def child(self, name: str, cfg: DictConfig) -> "RunContext":
         """A sub-run (pipeline stage) in ``out_dir/name`` with its own config.yaml / report.json."""

@@ -172,6 +172,10 @@ def _stage_inputs(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     return {k: norm(v) for k, v in flat.items() if k.split(".")[-1] not in RESULT_NEUTRAL_KEYS}
 
 
+class ResumeRefused(ValueError):
+    """A resumed pipeline would mix results of other settings; raised before any stage runs."""
+
+
 class Stages:
     """Runs named stages in ``ctx.child(name)``, timing them and skipping finished ones on resume.
 
@@ -180,8 +184,9 @@ class Stages:
 
     ``order``: the stages in run order, for the up-front check and the directories an error names.
 
-    Raises ``ValueError`` (before anything runs): a stage to reuse was run with other settings, or a
-    stage that will run has finished stages after it (their results came from the old one)."""
+    Raises :class:`ResumeRefused` (a ``ValueError``; before anything runs): a stage to reuse was run with
+    other settings, or a stage that will run has finished stages after it (their results came from the
+    old one). Every stage before the one refused is reused, so nothing new has run at that point."""
 
     INPUTS_FILE = "stage_inputs.json"
 
@@ -206,7 +211,7 @@ class Stages:
                 later = self._finished_after(name)
                 if later:
                     d = self.ctx.out_dir
-                    raise ValueError(
+                    raise ResumeRefused(
                         f"stage {name} has no results in {d} but the later stage(s) {', '.join(later)} do: they came "
                         f"from an earlier {name}. Remove them to rerun from {name} "
                         f"(rm -r {' '.join(str(d / m) for m in later)}), or start a new run directory "
@@ -227,7 +232,7 @@ class Stages:
             d = self.ctx.out_dir
             again = [name] + self._finished_after(name)
             shown = "; ".join(diff[:8]) + (f"; ... ({len(diff)} in all)" if len(diff) > 8 else "")
-            raise ValueError(
+            raise ResumeRefused(
                 f"stage {name} in {d} was run with other settings ({shown}); it is not rerun over its results. "
                 f"To rerun it with these settings remove it and the stages after it "
                 f"(rm -r {' '.join(str(d / m) for m in again)}), or start a new run directory (hydra.run.dir=...), "
@@ -469,7 +474,21 @@ def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: di
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     """The main job (see module docstring). Returns the report: ``stages`` (wall time per stage),
     ``before`` / ``after`` (success per task with CIs), ``success_gain``, paths of plots, videos and
-    checkpoints."""
+    checkpoints.
+
+    Raises:
+        ResumeRefused: resuming would mix results of other settings (nothing has run; the run
+            directory's ``config.yaml`` is put back to the one that describes its results).
+        ValueError: bad stage settings or input data.
+    """
+    try:
+        return _run(cfg, ctx)
+    except ResumeRefused:
+        ctx.restore_config()
+        raise
+
+
+def _run(cfg: DictConfig, ctx: RunContext) -> dict:
     cfg = apply_preset(cfg, *command_line_overrides())
     check_stage_overrides(cfg)
     saved = OmegaConf.to_container(cfg, resolve=True)

@@ -111,10 +111,10 @@ def test_stage_to_rerun_with_finished_later_stages_is_refused_up_front(tmp_path)
 
 
 def test_a_refused_resume_keeps_the_run_directory_config(tmp_path, monkeypatch):
-    old = OmegaConf.create({"seed": 0, "num_threads": 1, "lr": 3.0e-5})
+    old = pipeline.compose_stage_config("pipeline", {})
     RunContext(old, out_dir=tmp_path)
     saved = (tmp_path / "config.yaml").read_text()
-    new = OmegaConf.merge(old, {"lr": 1.0e-4})
+    new = pipeline.compose_stage_config("pipeline", {"stages": {"grpo": {"lr": 1.0e-4}}})
 
     def refuse(cfg, ctx):
         raise pipeline.ResumeRefused("stage grpo was run with other settings")
@@ -125,6 +125,10 @@ def test_a_refused_resume_keeps_the_run_directory_config(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="other settings"):
         pipeline.run(new, ctx)
     assert (tmp_path / "config.yaml").read_text() == saved       # put back: it describes the results there
+    bad = pipeline.compose_stage_config("pipeline", {"preset": "stering"})
+    with pytest.raises(ValueError, match="unknown pipeline preset 'stering'"):
+        pipeline.run(bad, RunContext(bad, out_dir=tmp_path))
+    assert (tmp_path / "config.yaml").read_text() == saved
 
 
 @pytest.mark.parametrize("preset", [None, "steering", "debug"])
@@ -198,11 +202,11 @@ def test_pipeline_main_passes_the_command_line_to_the_preset(tmp_path, monkeypat
 
     seen = {}
 
-    def fake_run(cfg, ctx):
-        seen["cfg"] = pipeline.apply_preset(cfg, *pipeline.command_line_overrides())
+    def fake_stages(cfg, ctx):   # what run() hands to the stages, after its preset and settings checks
+        seen["cfg"] = cfg
         return {}
 
-    monkeypatch.setattr(pipeline, "run", fake_run)
+    monkeypatch.setattr(pipeline, "_run", fake_stages)
     monkeypatch.setattr(sys, "argv", ["wmrl pipeline", "preset=steering", "stages.grpo.iterations=60",
                                       "suite=tiny", f"hydra.run.dir={tmp_path}"])
     try:

@@ -106,6 +106,11 @@ def _type_ok(value, default) -> bool:
     return True
 
 
+class SettingsRefused(ValueError):
+    """The pipeline refused its settings before running anything (unknown preset, bad stage settings,
+    a resume that would mix results of other settings)."""
+
+
 def check_stage_overrides(cfg: DictConfig) -> int:
     """Check every key under ``cfg.stages.<stage>`` against the stage's own composed config (its entry
     point's, with ``cfg.stage_groups``; for ``bc_rollouts`` the pipeline config's defaults): the key must
@@ -152,7 +157,7 @@ def check_stage_overrides(cfg: DictConfig) -> int:
                     errors.append(f"stages.{stage}.{key}={value!r}: expected {kind}, like the {stage} stage's "
                                   f"default ({node!r}, {where})")
     if errors:
-        raise ValueError("bad stage settings (nothing was run):\n  " + "\n  ".join(errors))
+        raise SettingsRefused("bad stage settings (nothing was run):\n  " + "\n  ".join(errors))
     return checked
 
 
@@ -172,7 +177,7 @@ def _stage_inputs(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     return {k: norm(v) for k, v in flat.items() if k.split(".")[-1] not in RESULT_NEUTRAL_KEYS}
 
 
-class ResumeRefused(ValueError):
+class ResumeRefused(SettingsRefused):
     """A resumed pipeline would mix results of other settings; raised before any stage runs."""
 
 
@@ -399,7 +404,7 @@ def apply_preset(cfg: DictConfig, overrides: Sequence[str] = (), groups: Collect
         return cfg
     presets = cfg.get("presets") or {}
     if name not in presets:
-        raise ValueError(f"unknown pipeline preset {name!r}; known: {sorted(presets)}")
+        raise SettingsRefused(f"unknown pipeline preset {name!r}; known: {sorted(presets)}")
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))  # not struct: presets may add keys
     merged = OmegaConf.merge(cfg, presets[name])
     if overrides:
@@ -477,20 +482,22 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     checkpoints.
 
     Raises:
-        ResumeRefused: resuming would mix results of other settings (nothing has run; the run
-            directory's ``config.yaml`` is put back to the one that describes its results).
-        ValueError: bad stage settings or input data.
+        SettingsRefused: an unknown preset, bad stage settings, or a resume that would mix results of
+            other settings (:class:`ResumeRefused`). Nothing has run; a run directory that had a
+            ``config.yaml`` gets it back (it describes the results there).
+        ValueError: bad input data.
     """
     try:
+        cfg = apply_preset(cfg, *command_line_overrides())
+        check_stage_overrides(cfg)
         return _run(cfg, ctx)
-    except ResumeRefused:
+    except SettingsRefused:
         ctx.restore_config()
         raise
 
 
 def _run(cfg: DictConfig, ctx: RunContext) -> dict:
-    cfg = apply_preset(cfg, *command_line_overrides())
-    check_stage_overrides(cfg)
+    """:func:`run` with the preset applied and the stage settings checked."""
     saved = OmegaConf.to_container(cfg, resolve=True)
     saved.pop("presets", None)           # the applied one is merged in (and named by `preset`)
     (ctx.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))

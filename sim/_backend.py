@@ -43,9 +43,9 @@ class _DropIrrelevant(logging.Filter):
 
 def _quiet_robosuite_logger() -> logging.Logger:
     """robosuite's logger prints through its own console handler *and* propagates to the root logger
-    (Hydra's console and log file), so every message appeared twice. Keep the propagation (one line, also
-    in the run's log file), drop robosuite's own console handler, and filter the two import-time
-    warnings that do not concern the Panda."""
+    (Hydra's console and log file), so every message appeared twice. ``_import`` keeps the propagation
+    (one line, also in the run's log file) and drops robosuite's console handler
+    (:func:`_drop_robosuite_console`); this adds the filter of :data:`_IRRELEVANT_WARNINGS`."""
     lg = logging.getLogger("robosuite_logs")
     if not any(isinstance(f, _DropIrrelevant) for f in lg.filters):
         lg.addFilter(_DropIrrelevant())

@@ -76,7 +76,8 @@ def _container(x):
     return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
 
 
-# stage -> (its entry point's config, Hydra group selections it always gets); bc_rollouts is the pipeline's own
+# stage -> (its entry point: config and wmrl.run module of that name, Hydra group selections it always gets);
+# bc_rollouts is the pipeline's own
 STAGE_CONFIGS: dict[str, tuple[str, list[str]]] = {
     "collect": ("collect", []), "bc": ("train_policy", []), "worldmodel": ("train_worldmodel", []),
     "critic": ("train_critic", []), "grpo": ("post_train", ["env=imagination"])}
@@ -119,7 +120,8 @@ def check_stage_overrides(cfg: DictConfig) -> int:
     entry points' configs without Hydra's struct mode, so without this check a misspelt key
     (``+stages.grpo.iteratons=3``) would be ignored and a wrong type fail only when its stage starts.
 
-    Returns the number of keys checked. Raises ``ValueError`` naming every bad key and what to change."""
+    Returns the number of keys checked. Raises :class:`SettingsRefused` (a ``ValueError``) naming every bad
+    key and what to change."""
     import difflib
 
     stages = OmegaConf.to_container(cfg.get("stages") or {}, resolve=False)
@@ -398,7 +400,7 @@ def apply_preset(cfg: DictConfig, overrides: Sequence[str] = (), groups: Collect
             skipped (the groups were chosen when the config was composed).
         groups: config group names (``suite``, ...), whose overrides are selections, not values.
 
-    Raises: ``ValueError`` for an unknown preset name."""
+    Raises: :class:`SettingsRefused` (a ``ValueError``) for an unknown preset name."""
     name = cfg.get("preset")
     if not name:
         return cfg
@@ -521,15 +523,18 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
         name, always = STAGE_CONFIGS[stage]
         return compose_stage_config(name, overrides, groups=always + [str(x) for x in (G.get(stage) or [])])
 
+    def entry(stage: str):   # the run() of the entry point whose config stage_config composed
+        return _module_run(STAGE_CONFIGS[stage][0])
+
     # 1. noisy scripted demos
     demos = out / "collect" / "demos.zarr"
     c = stage_config("collect", {**common, **_container(S.collect), "suite": suite_cfg, "tasks": task_list,
                                  "out": str(demos)})
-    stages.run("collect", c, _module_run("collect"))
+    stages.run("collect", c, entry("collect"))
 
     # 2. behaviour cloning
     c = stage_config("bc", {**common, **_container(S.bc), "store": str(demos)})
-    stages.run("bc", c, _module_run("train_policy"))
+    stages.run("bc", c, entry("bc"))
     bc_ckpt = out / "bc" / "checkpoints" / "last"
 
     # 3. real-sim rollouts of the BC policy from train init states
@@ -562,12 +567,12 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
 
     # 4. world model + critic on demos + rollouts
     c = stage_config("worldmodel", {**common, **_container(S.worldmodel), "store": str(mixed)})
-    wm_rep = stages.run("worldmodel", c, _module_run("train_worldmodel"))
+    wm_rep = stages.run("worldmodel", c, entry("worldmodel"))
     wm_ckpt = out / "worldmodel" / "checkpoints" / "last"
     critic_over = _container(S.critic) or {}
     critic_over["imagined"] = {**(critic_over.get("imagined") or {}), "world_model": str(wm_ckpt)}
     c = stage_config("critic", {**common, **critic_over, "store": str(mixed)})
-    stages.run("critic", c, _module_run("train_critic"))
+    stages.run("critic", c, entry("critic"))
     critic_ckpt = out / "critic" / "checkpoints" / "last"
 
     # 5-8. imagination check, real-sim evaluation before, GRPO in imagination, evaluation after
@@ -590,7 +595,7 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
           "eval_sampler": _container(cfg.get("eval_sampler")), "videos_per_task": nv}
     before = stages.run("eval_before", OmegaConf.create({**ev, "checkpoint": str(bc_ckpt)}),
                         lambda c_, x_: _eval_policy(bc_ckpt, cfg, tasks, suite, x_.out_dir, nv))
-    grep = stages.run("grpo", gcfg, _module_run("post_train"))
+    grep = stages.run("grpo", gcfg, entry("grpo"))
     grpo_ckpt = out / "grpo" / "checkpoints" / "last"
     after = stages.run("eval_after", OmegaConf.create({**ev, "checkpoint": str(grpo_ckpt)}),
                        lambda c_, x_: _eval_policy(grpo_ckpt, cfg, tasks, suite, x_.out_dir, nv))

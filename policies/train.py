@@ -28,7 +28,7 @@ log = logging.getLogger("wmrl.policies")
 
 DEFAULTS = dict(steps=2000, batch_size=64, lr=3e-4, weight_decay=1e-4, warmup_steps=100, min_lr_ratio=0.1,
                 grad_clip=1.0, ema_decay=0.995, log_every=25, ckpt_every=500, num_workers=0, seed=0,
-                resume=True, time_budget_s=0.0, bf16=False, lr_follows_budget=True)
+                resume=True, time_budget_s=0.0, bf16="auto", lr_follows_budget=True)
 
 
 def _cfg(cfg: Any) -> dict:
@@ -149,17 +149,28 @@ def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -
         cfg: mapping with keys of :data:`DEFAULTS` (``steps``, ``batch_size``, ``lr``, ``ema_decay`` (0 =
             off), ``ckpt_every``, ``resume``, ``time_budget_s`` (stop early after this wall time; 0 = off), ``lr_follows_budget`` (the LR decays
             over the time budget when it runs out before the steps; ``False``: over the steps only, so the run
-            does not depend on the machine's speed), ``bf16`` (bfloat16 autocast of the forward pass;
-            about 1.6x faster BC steps on this CPU; weights, optimizer and EMA stay float32)...).
+            does not depend on the machine's speed), ``bf16`` (``"auto"``, ``True`` or ``False``: bfloat16 autocast of the
+            forward pass, ``wmrl.precision.resolve_bf16``; ``"auto"`` uses it only where the hardware runs
+            bf16 natively, about 1.6x faster BC steps there; weights, optimizer and EMA stay float32)...).
         out_dir: run directory; TensorBoard scalars go to ``out_dir/tb``, checkpoints to
             ``out_dir/checkpoints``.
         val_dataset: optional held-out windows; their loss is reported at the end.
 
     Returns:
-        report dict: ``steps``, ``final_loss`` (mean of the last ``log_every`` steps), ``val_loss``,
-        ``train_time_s``, ``samples_per_s``, ``checkpoint`` (path of ``last``), ``resumed_from``.
+        report dict: ``steps``, ``steps_planned``, ``cut_by_budget`` (the time budget stopped it before
+        ``steps_planned``), ``final_loss`` (mean of the last ``log_every`` steps), ``val_loss``,
+        ``train_time_s``, ``samples_per_s``, ``checkpoint`` (path of ``last``), ``resumed_from``,
+        ``precision`` (``wmrl.precision.Precision.as_dict()``: dtype and why).
+
+    Raises:
+        ValueError: an empty dataset, unknown options or a bad ``bf16`` setting.
+        FloatingPointError: a non-finite loss.
     """
+    from wmrl.precision import resolve_bf16
+
     c = _cfg(cfg)
+    precision = resolve_bf16(c["bf16"], policy_device_type(policy), "BC")
+    log.info("precision: %s (%s)", precision.dtype, precision.reason)
     out_dir = Path(out_dir)
     ckpt_root = out_dir / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -199,6 +210,7 @@ def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -
     policy.train()
     t0 = time.time()
     step = start
+    cut_by_budget = False
     recent: list[float] = []
     done_samples = 0
     if batches is not None:
@@ -208,7 +220,7 @@ def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -
             lr = _lr_at(step, c, (time.time() - t0) / budget if budget > 0 and c["lr_follows_budget"] else 0.0)
             for g in opt.param_groups:
                 g["lr"] = lr
-            with torch.autocast(device_type=policy_device_type(policy), dtype=torch.bfloat16, enabled=bool(c["bf16"])):
+            with torch.autocast(device_type=policy_device_type(policy), dtype=torch.bfloat16, enabled=precision.bf16):
                 loss, metrics = policy.loss(batch, generator=gen)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite BC loss at step {step}: {float(loss)}")
@@ -237,12 +249,16 @@ def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -
             if c["ckpt_every"] > 0 and step % c["ckpt_every"] == 0 and step < c["steps"]:
                 _save_all(policy, ema, opt, params, step, ckpt_root, history)
             if c["time_budget_s"] > 0 and time.time() - t0 > c["time_budget_s"]:
-                log.warning("time budget of %.0f s reached at step %d of %d", c["time_budget_s"], step, c["steps"])
+                if step < c["steps"]:
+                    cut_by_budget = True
+                    log.warning("time budget of %.0f s reached at step %d of %d planned: this BC run is cut short "
+                                "and not comparable with a full one", c["time_budget_s"], step, c["steps"])
                 break
         bar.close()
     train_time = time.time() - t0
     final = _save_all(policy, ema, opt, params, step, ckpt_root, history)
-    report = {"steps": step, "final_loss": (sum(recent) / len(recent)) if recent else None,
+    report = {"steps": step, "steps_planned": c["steps"], "cut_by_budget": cut_by_budget,
+              "precision": precision.as_dict(), "final_loss": (sum(recent) / len(recent)) if recent else None,
               "train_time_s": round(train_time, 2),
               "samples_per_s": round(done_samples / max(1e-9, train_time), 2) if done_samples else None,
               "checkpoint": str(ckpt_root / "last"), "step_checkpoint": str(final), "resumed_from": resumed_from,

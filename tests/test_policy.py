@@ -205,10 +205,18 @@ def test_bench_policy_reports_figures(tmp_path):
     with initialize_config_module("configs", version_base="1.3"):
         cfg = compose("bench_policy", overrides=["policy=tiny", "inference_runs=2", "train_steps=2", "batch_size=4",
                                                  "image_size=[16,16]", "cameras=[agentview]"])
+        cfg.neighbour.steps, cfg.neighbour.cases = 2, ["defaults"]
     rep = bench_policy.run(cfg, RunContext(cfg, out_dir=tmp_path))
     for k in ("ode", "sde"):
         assert rep["inference_ms"][k]["median"] > 0 and rep["inference_ms"][k]["num_steps"] == 4
-    assert rep["bc"]["samples_per_s"] > 0 and rep["bc"]["estimated_bc_minutes"] > 0
+    assert rep["bc"]["estimated_bc_minutes"] > 0
+    for mode, bf16 in (("fp32", False), ("bf16", True)):
+        assert rep["bc"][mode]["bf16"] is bf16 and rep["bc"][mode]["samples_per_s"] > 0
+    assert rep["bc"]["default"]["bf16"] == (rep["bc"]["precision"]["dtype"] == "bf16")
+    assert rep["bc"]["default_over_fp32"] > 0
+    nb = rep["neighbour"]["defaults"]     # fresh processes, one beside a busy core
+    assert nb["alone"]["steps_per_s"] > 0 and nb["with_neighbour"]["steps_per_s"] > 0 and nb["ratio"] > 0
+    assert nb["alone"]["num_threads"] >= 1 and "num_threads=auto" in nb["alone"]["threads_reason"]
 
 
 def test_checkpoint_config_keeps_the_sampler(tmp_path):

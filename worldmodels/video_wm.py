@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from diffusers import FlowMatchEulerDiscreteScheduler, UNet2DModel
 
+from wmrl.precision import Precision, normalise_setting, resolve_bf16
 from wmrl.types import Obs
 from worldmodels.data import split_cameras, stack_cameras
 
@@ -87,7 +88,9 @@ class ChunkFlowWorldModel(nn.Module):
         stochastic: draw the initial noise (``True``) or use the deterministic path (``False``).
         noise_scale: std of the initial noise relative to the residual scale.
         action_low, action_high: actions are clipped to this range (the controller's).
-        autocast_bf16: run the networks under CPU/GPU bfloat16 autocast.
+        autocast_bf16: bfloat16 autocast of the networks: ``"auto"`` (only where the device runs bf16
+            natively), ``True`` or ``False``; resolved per device type by ``wmrl.precision.resolve_bf16``
+            when the model first runs there (:meth:`precision`).
 
     Normalisation stats (proprio mean / std, std of the proprio change over a chunk) are buffers
     set by :meth:`set_norm_stats` and saved with the weights; using an unfitted model raises.
@@ -98,7 +101,7 @@ class ChunkFlowWorldModel(nn.Module):
                  block_out_channels: Sequence[int] = (64, 128, 128), layers_per_block: int = 1,
                  attention_levels: Sequence[int] = (), patch: int = 2, sampling_steps: int = 1,
                  stochastic: bool = False, noise_scale: float = 1.0, action_low: float = -1.0,
-                 action_high: float = 1.0, autocast_bf16: bool = True, proprio_hidden: int = 256,
+                 action_high: float = 1.0, autocast_bf16: bool | str = "auto", proprio_hidden: int = 256,
                  norm_num_groups: int = 16):
         super().__init__()
         hw = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
@@ -122,6 +125,8 @@ class ChunkFlowWorldModel(nn.Module):
         self.noise_scale = noise_scale
         self.action_low, self.action_high = action_low, action_high
         self.autocast_bf16 = autocast_bf16
+        normalise_setting(autocast_bf16)  # a bad setting fails here, not at the first forward pass
+        self._precision: dict[str, Precision] = {}
         c_img = 3 * len(self.cameras)
         self.c_img = c_img
         temb = block_out_channels[0] * 4
@@ -166,9 +171,16 @@ class ChunkFlowWorldModel(nn.Module):
                                "before use or load a trained checkpoint")
 
     # ------------------------------------------------------------------ network pieces
+    def precision(self) -> Precision:
+        """The precision this model runs at on its current device (dtype and why)."""
+        dev = self.proprio_mean.device.type
+        if dev not in self._precision:
+            self._precision[dev] = resolve_bf16(self.autocast_bf16, dev, "world model")
+        return self._precision[dev]
+
     def _autocast(self):
         dev = self.proprio_mean.device.type
-        return torch.autocast(dev, dtype=torch.bfloat16, enabled=self.autocast_bf16)
+        return torch.autocast(dev, dtype=torch.bfloat16, enabled=self.precision().bf16)
 
     def condition(self, proprio: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """``float32 (B, H*D_a + D_s)``: clipped actions and normalised proprio."""

@@ -64,6 +64,18 @@ def make_sim_env(num_envs: int, suite=None, tasks=None, **suite_kwargs):
     return suite.make_env(int(num_envs))
 
 
+def _precision_report(env, policy) -> dict:
+    """What GRPO computed in: the policy always in fp32 (its log-prob ratios would be bf16 noise
+    otherwise), the world model of an imagination env at its own resolved precision (``wmrl.precision``)."""
+    dev = next(policy.parameters()).device.type
+    out = {"policy": {"dtype": "fp32", "setting": "none", "device": dev,
+                      "reason": "GRPO: policy log-probs and ratios are computed in fp32"}}
+    wm = getattr(env, "world_model", None)
+    if wm is not None and callable(getattr(wm, "precision", None)):
+        out["world_model"] = wm.precision().as_dict()
+    return out
+
+
 def make_imagination_env(world_model: str, critic: str, num_envs: int, seed: int = 0, device: str = "cpu", **kwargs):
     """``wmrl.imagination.ImaginationEnv`` from world-model and critic checkpoint folders."""
     from wmrl.checkpoint import load_checkpoint
@@ -422,6 +434,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         "evals": evals,
         "history": out["history"],
         "train_wall_s": float(sum(h["wall_s"] for h in out["history"])),
+        "precision": _precision_report(env, policy),
     }
     if evals:
         report["before"], report["after"] = evals[0], evals[-1]

@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "robot": ("robot", "MuJoCo arm node: plays the robot in real time for the robot bridge"),
     "serve": ("serve", "policy server for the robot bridge"),
     "refine": ("refine", "fine-tune the world model and critic on recorded failures and report the fidelity change"),
+    "doctor": ("doctor", "what this machine has and wmrl will choose (precision, threads, renderer), and the pipeline's estimated time"),
     "bench": ("bench", "benchmarks: `wmrl bench sim|imagination|policy|grpo|bridge`"),
 }
 

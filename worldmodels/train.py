@@ -12,6 +12,7 @@ continue from ``last`` (model, optimizer, step and data RNG). A wall-clock budge
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -25,6 +26,8 @@ from wmrl.checkpoint import load_checkpoint, load_checkpoint_meta, load_extra_te
 from worldmodels.critic import ProgressValueCritic
 from worldmodels.data import EpisodeFrames
 from worldmodels.video_wm import ChunkFlowWorldModel, WMState, to_uint8, to_unit
+
+log = logging.getLogger("wmrl.worldmodels")
 
 
 # ---------------------------------------------------------------------------- optimizer state
@@ -111,6 +114,16 @@ class BudgetClock:
 
     def elapsed(self) -> float:
         return self.wall() if self.kind == "wall" else self.process()
+
+
+def _warn_if_cut(what: str, stopped_by_time: bool, step: int, steps: int, max_minutes: float | None) -> bool:
+    """``True`` (and one warning line) when the time budget stopped training before ``steps``."""
+    cut = bool(stopped_by_time and step < steps)
+    if cut:
+        log.warning("%s: the time budget of %.1f min stopped training at step %d of %d planned; this run is cut "
+                    "short and not comparable with a full one (raise max_minutes or set it to null)",
+                    what, float(max_minutes or 0.0), step, steps)
+    return cut
 
 
 def _writer(out_dir: Path, enabled: bool):
@@ -262,7 +275,9 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
     if writer:
         writer.close()
     model.eval()
-    report = {"steps": step, "steps_this_run": step - start_step, "train_seconds": round(clock.wall(), 1),
+    cut = _warn_if_cut("world model", stopped_by_time, step, steps, max_minutes)
+    report = {"steps": step, "steps_planned": steps, "cut_by_budget": cut,
+              "precision": model.precision().as_dict(), "steps_this_run": step - start_step, "train_seconds": round(clock.wall(), 1),
               "train_cpu_seconds_per_thread": round(clock.process(), 1), "budget_clock": budget_clock,
               "final_loss": float(np.mean(hist[-log_every:])) if hist else None, "stopped_by_time": stopped_by_time,
               "resumed_from": start_step if resumed is not None else None,
@@ -428,7 +443,11 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
     if writer:
         writer.close()
     critic.eval()
-    report = {"steps": step, "steps_this_run": step - start_step, "train_seconds": round(clock.wall(), 1),
+    cut = _warn_if_cut("critic", stopped_by_time, step, steps, max_minutes)
+    report = {"steps": step, "steps_planned": steps, "cut_by_budget": cut,
+              "precision": {"dtype": "fp32", "setting": "none", "device": next(critic.parameters()).device.type,
+                            "reason": "critic: fp32 (it has no bf16 autocast path)"},
+              "steps_this_run": step - start_step, "train_seconds": round(clock.wall(), 1),
               "train_cpu_seconds_per_thread": round(clock.process(), 1), "budget_clock": budget_clock,
               "final_loss": float(np.mean(hist[-log_every:])) if hist else None, "stopped_by_time": stopped_by_time,
               "resumed_from": start_step if resumed is not None else None, "pos_weight": pos_weight,

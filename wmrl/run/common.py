@@ -49,14 +49,114 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-def set_threads(n: int | None) -> None:
-    """Set torch intra-op threads (``None`` or ``<= 0``: all cores). Oversubscription on small
-    machines is the commonest 10x slowdown, so every entry point calls this once."""
+def available_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota (containers)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        n = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, int(-(-int(quota) // int(period)))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
+def _cpu_jiffies(cpus: set[int]) -> tuple[float, float]:
+    """(busy, total) jiffies summed over ``cpus`` from /proc/stat."""
+    busy = total = 0.0
+    for line in Path("/proc/stat").read_text().splitlines():
+        if not line.startswith("cpu") or line.startswith("cpu "):
+            continue
+        name, *vals = line.split()
+        if int(name[3:]) not in cpus:
+            continue
+        v = [float(x) for x in vals[:8]]
+        total += sum(v)
+        busy += sum(v) - v[3] - v[4]          # minus idle and iowait
+    return busy, total
+
+
+def _own_jiffies() -> float:
+    f = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return float(f[11]) + float(f[12])         # utime + stime of all threads
+
+
+def busy_cores_elsewhere(seconds: float = 0.25) -> float:
+    """Cores (of this process's affinity) kept busy by *other* processes over the next ``seconds``,
+    from /proc/stat less this process's own time; 0.0 where /proc is missing."""
+    try:
+        cpus = os.sched_getaffinity(0)
+        b0, t0 = _cpu_jiffies(cpus)
+        o0 = _own_jiffies()
+        time.sleep(seconds)
+        b1, t1 = _cpu_jiffies(cpus)
+        o1 = _own_jiffies()
+    except (AttributeError, OSError, ValueError, IndexError):
+        return 0.0
+    if t1 <= t0:
+        return 0.0
+    per_cpu_total = (t1 - t0) / len(cpus)     # jiffies one core had in the interval
+    return max(0.0, ((b1 - b0) - (o1 - o0)) / per_cpu_total)
+
+
+def resolve_threads(n: Any) -> tuple[int, str]:
+    """Torch intra-op threads for a setting, and why.
+
+    ``"auto"`` (the default): the cores available to this process (:func:`available_cores`) less those
+    another process keeps busy right now (:func:`busy_cores_elsewhere`, a core counts from 60 % use), at
+    least 1. Torch's OpenMP threads wait for each other at every operation, so a thread on a core shared
+    with a CPU-bound neighbour slows every step down (a BC step measured 2.6-4x slower with 2 threads and
+    one busy core, but as fast as alone with 1 thread on the free core). ``0`` or ``None``: all available
+    cores. ``N > 0``: exactly ``N``. Results are bitwise reproducible for the same thread count (a
+    different count changes the order of float sums); every report records it.
+
+    Raises:
+        ValueError: a setting that is not ``auto`` or an integer.
+    """
+    avail = available_cores()
+    if n is None or (isinstance(n, str) and n.strip().lower() == "auto"):
+        busy = busy_cores_elsewhere()
+        k = max(1, avail - int(busy + 0.4))
+        why = f"num_threads=auto: {avail} core(s) available"
+        if k < avail:
+            why += f", {busy:.1f} kept busy by other processes at start"
+        return k, why
+    try:
+        k = int(n)
+    except (TypeError, ValueError):
+        raise ValueError(f"num_threads must be auto, 0 (all cores) or a positive integer, got {n!r}") from None
+    if k <= 0:
+        return avail, f"num_threads={n}: all {avail} available core(s)"
+    if k > avail:
+        log.warning("num_threads=%d is more than the %d core(s) available: expect a large slowdown "
+                    "(threads wait for each other); num_threads=auto picks for the cores", k, avail)
+    return k, f"num_threads={k}"
+
+
+def set_threads(n: Any) -> tuple[int, str]:
+    """Set torch intra-op threads from a setting (:func:`resolve_threads`; oversubscription on small
+    machines is the commonest 10x slowdown, so every entry point calls this once). Returns
+    ``(threads, why)``."""
     import torch
 
-    if not n or n <= 0:
-        n = os.cpu_count() or 1
-    torch.set_num_threads(int(n))
+    k, why = resolve_threads(n)
+    torch.set_num_threads(k)
+    return k, why
+
+
+def runtime_info() -> dict[str, Any]:
+    """What a report records about how this process computes: torch threads and why, cores, the
+    OpenMP wait policy."""
+    import torch
+
+    return {"num_threads": torch.get_num_threads(), "threads_reason": _THREADS_REASON.get("why"),
+            "cores_available": available_cores(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
+
+
+_THREADS_REASON: dict[str, str] = {}
 
 
 def seed_everything(seed: int) -> None:
@@ -114,7 +214,8 @@ class RunContext:
         # a resumed run's config, put back by restore_config() when the resume is refused
         self.previous_config: str | None = prev.read_text() if prev.is_file() else None
         prev.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        set_threads(cfg.get("num_threads", None))
+        self.num_threads, self.threads_reason = set_threads(cfg.get("num_threads", None))
+        _THREADS_REASON["why"] = self.threads_reason
         if "seed" in cfg:
             seed_everything(int(cfg.seed))
         log.info("run directory: %s", self.out_dir)
@@ -139,6 +240,7 @@ class RunContext:
     def finish(self, report: dict[str, Any], name: str = "report.json") -> Path:
         report = dict(report)
         report.setdefault("wall_time_s", round(time.time() - self.t0, 3))
+        report.setdefault("runtime", runtime_info())
         out = self.out_dir / name
         out.write_text(json.dumps(_jsonable(report), indent=2))
         log.info("report: %s", out)

@@ -1,0 +1,302 @@
+"""What this machine is and how long the default pipeline takes on it (``wmrl doctor``, and the
+pipeline's start-up estimate). A helper of the composition roots, not an entry point.
+
+:func:`calibrate` times one unit of each kind of work the pipeline does, at the pipeline's own
+sizes and precision (about 10-15 s): a simulator control step with the suite's cameras rendered,
+a BC step, a world-model training step, a critic step, an imagined chunk per rollout (world model +
+critic) and a policy action chunk per environment. :func:`estimate_pipeline` turns them into a
+time per stage: ``k_stage * units(stage config) * unit cost(calibration)``, where the work units
+come from the stage settings (steps, episodes x step limits, rollouts x chunks) and ``k_stage``
+(what a stage spends beyond its units: data loading, evaluation, checkpoints, several workers) was
+fitted once from a measured default run and its own calibration on the reference CPU
+(:data:`REFERENCE`). On another machine the unit costs change and ``k`` is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import random
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("wmrl.machine")
+
+# A default `wmrl pipeline` (seed 0) and the calibration it printed at its start, on the reference
+# machine: AMD EPYC (family 26), 2 cores, AVX-512 with AVX512_BF16, 24 GiB; bf16 autocast for BC and
+# the world model. REFERENCE[stage] = (measured wall s, work units, unit cost s) from that run's
+# report.json ("stages", "estimate.units", "estimate.calibration"); k = time / (units * cost).
+REFERENCE_RUN = "default pipeline, seed 0, reference CPU above"
+REFERENCE: dict[str, tuple[float, float, float]] = {}
+
+
+@contextlib.contextmanager
+def _rng_kept():
+    """Run a block without touching the global torch / numpy / random generators."""
+    py, npst = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npst)
+
+
+def _median_time(fn: Callable[[], Any], runs: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def _sim_step_s(suite, task: str, steps: int = 40) -> float:
+    from sim.env import TaskEnv
+    from sim.expert import ScriptedExpert
+
+    spec = suite.task(task)
+    env = TaskEnv(spec.scene, suite.cameras, suite.image_size, dataclasses.asdict(suite.render))
+    env.reset(spec, suite.init_state(task, "eval", 0))
+    expert = ScriptedExpert(spec, 0.0, 0)
+    for _ in range(5):
+        env.observe()
+        env.step(expert.act(env.privileged()))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        env.observe()
+        _, _, te, tr = env.step(expert.act(env.privileged()))
+        if te or tr:
+            env.reset(spec, suite.init_state(task, "eval", 1))
+    out = (time.perf_counter() - t0) / steps
+    close = getattr(env, "close", None)
+    if callable(close):
+        close()
+    return out
+
+
+def _policy(policy_cfg: dict, suite):
+    from wmrl.storage import NormStats
+
+    pc = dict(policy_cfg)
+    pc["cameras"] = pc.get("cameras") or list(suite.cameras)
+    pc["image_size"] = pc.get("image_size") or list(suite.image_size)
+    pc["state_dim"] = pc.get("state_dim") or 9      # the suite's proprio and action sizes
+    pc["action_dim"] = pc.get("action_dim") or 7
+    policy = instantiate(pc, _convert_="all")
+    rng = np.random.default_rng(0)
+    policy.set_norm_stats(NormStats.from_data({"proprio": rng.standard_normal((64, policy.state_dim)),
+                                               "actions": rng.uniform(-1, 1, (64, policy.action_dim))}))
+    return policy
+
+
+def _obs(cameras, image_size, state_dim: int, b: int, text: str = "lift the red cube"):
+    from wmrl.types import Obs
+
+    h, w = image_size
+    return Obs({c: torch.randint(0, 256, (b, 3, h, w), dtype=torch.uint8) for c in cameras},
+               torch.randn(b, state_dim), [text] * b)
+
+
+def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None) -> dict[str, float]:
+    """Seconds per unit of work at the pipeline config ``cfg``'s sizes and precision, on this machine
+    with the current torch thread count. Leaves the global RNGs as they were.
+
+    Returns ``{"sim_step_s", "bc_step_s", "wm_step_s", "critic_step_s", "imagine_per_rollout_s",
+    "policy_per_env_s", "policy_sde_per_rollout_s", "calibration_s"}``.
+    """
+    from wmrl.precision import resolve_bf16
+    from wmrl.run.pipeline import STAGE_CONFIGS, compose_stage_config
+
+    say = progress or (lambda s: None)
+    t_start = time.perf_counter()
+    out: dict[str, float] = {}
+    suite_cfg = OmegaConf.to_container(cfg.suite, resolve=True)
+    suite_cfg["tasks"] = list(cfg.tasks)
+    with _rng_kept(), torch.no_grad():
+        suite = instantiate(suite_cfg)
+        say("simulator step (rendered)")
+        out["sim_step_s"] = _sim_step_s(suite, suite.task_names[0])
+
+    def stage(name: str) -> DictConfig:
+        conf, groups = STAGE_CONFIGS[name]
+        over = OmegaConf.to_container(cfg.stages.get(name) or {}, resolve=True)
+        return compose_stage_config(conf, over, groups=groups + [str(x) for x in ((cfg.get("stage_groups") or {}).get(name) or [])])
+
+    with _rng_kept():
+        say("BC step")
+        bc = stage("bc")
+        policy = _policy(OmegaConf.to_container(bc.policy, resolve=True), suite)
+        b = int(bc.train.batch_size)
+        prec = resolve_bf16(bc.train.get("bf16", "auto"), "cpu", "BC")
+        o = _obs(policy.cameras, policy.image_size, policy.state_dim, b)
+        batch = {"images": o.images, "proprio": o.proprio,
+                 "actions": torch.rand(b, policy.chunk_size, policy.action_dim) * 2 - 1,
+                 "action_pad": torch.zeros(b, policy.chunk_size, dtype=torch.bool), "instruction": o.task}
+        opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+        policy.train()
+
+        def bc_step():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=prec.bf16):
+                loss, _ = policy.loss(batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        out["bc_step_s"] = _median_time(bc_step, 5, 2)
+        policy.eval()
+        with torch.no_grad():
+            ne = int(cfg.evaluation.num_envs)
+            oe = _obs(policy.cameras, policy.image_size, policy.state_dim, ne)
+            out["policy_per_env_s"] = _median_time(lambda: policy.sample(oe), 3) / ne
+
+    with _rng_kept():
+        say("world-model step")
+        wmc = stage("worldmodel")
+        wm = instantiate(OmegaConf.to_container(wmc.worldmodel, resolve=True), _convert_="all")
+        wm.set_norm_stats(torch.randn(16, wm.state_dim), torch.randn(16, wm.state_dim))
+        bw = int(wmc.train.batch_size)
+        ch = 3 * len(wm.cameras)
+        hw = wm.image_size
+        f0 = torch.randint(0, 256, (bw, ch, *hw), dtype=torch.uint8)
+        f1 = torch.randint(0, 256, (bw, ch, *hw), dtype=torch.uint8)
+        pr, a = torch.randn(bw, wm.state_dim), torch.rand(bw, wm.chunk_size, wm.action_dim) * 2 - 1
+        wopt = torch.optim.AdamW(wm.parameters(), lr=1e-4)
+        wm.train()
+
+        def wm_step():
+            loss = wm.loss(f0, pr, a, f1, pr)["loss"]
+            wopt.zero_grad(set_to_none=True)
+            loss.backward()
+            wopt.step()
+
+        out["wm_step_s"] = _median_time(wm_step, 2, 1)
+
+    with _rng_kept():
+        say("critic step")
+        cc = stage("critic")
+        ccfg = OmegaConf.to_container(cc.critic, resolve=True)
+        ccfg["text_encoder"] = "none"   # embeddings are cached per instruction in use
+        critic = instantiate(ccfg, _convert_="all")
+        if critic.use_proprio:
+            critic.set_norm_stats(torch.randn(16, critic.state_dim))
+        bc_ = int(cc.train.batch_size)
+        fr = torch.randint(0, 256, (bc_, 3 * len(critic.cameras), *((critic.image_size,) * 2
+                                                                       if isinstance(critic.image_size, int)
+                                                                       else critic.image_size)), dtype=torch.uint8)
+        pp, tg = torch.randn(bc_, critic.state_dim), torch.rand(bc_)
+        copt = torch.optim.AdamW(critic.parameters(), lr=1e-4)
+        critic.train()
+
+        def critic_step():
+            loss = critic.loss(fr, pp, ["lift the red cube"] * bc_, tg, (tg > 0.5).float())["loss"]
+            copt.zero_grad(set_to_none=True)
+            loss.backward()
+            copt.step()
+
+        out["critic_step_s"] = _median_time(critic_step, 4, 1)
+
+    with _rng_kept(), torch.no_grad():
+        say("imagined chunk")
+        g = stage("grpo")
+        nb = int(g.env.num_envs)
+        wm.eval()
+        critic.eval()
+        ctx = _obs(wm.cameras, wm.image_size, wm.state_dim, nb)
+        state = wm.init(ctx)
+        acts = torch.rand(nb, wm.chunk_size, wm.action_dim) * 2 - 1
+
+        def imagine():
+            _, pred = wm.imagine(state, acts)
+            critic.evaluate(pred)
+
+        out["imagine_per_rollout_s"] = _median_time(imagine, 2, 1) / nb
+        from wmrl.run.post_train import using_sampler
+
+        sampler = instantiate(g.rl_sampler) if g.get("rl_sampler") else None
+        op = _obs(policy.cameras, policy.image_size, policy.state_dim, nb)
+        with using_sampler(policy, sampler):
+            out["policy_sde_per_rollout_s"] = _median_time(lambda: policy.sample(op), 2, 1) / nb
+    out["calibration_s"] = time.perf_counter() - t_start
+    return out
+
+
+def _stage_cfg(cfg: DictConfig, name: str) -> dict:
+    return OmegaConf.to_container(cfg.stages.get(name) or {}, resolve=True)
+
+
+def work_units(cfg: DictConfig, suite=None) -> dict[str, dict[str, float]]:
+    """Per stage, the work units it plans (``units``) and the calibration keys whose per-unit sum is
+    its unit cost (``costs``), from the pipeline config ``cfg`` (stage settings as the pipeline merges
+    them onto the stage configs' defaults where it leaves them out)."""
+    from wmrl.run.pipeline import STAGE_CONFIGS, compose_stage_config
+
+    if suite is None:
+        sc = OmegaConf.to_container(cfg.suite, resolve=True)
+        sc["tasks"] = list(cfg.tasks)
+        suite = instantiate(sc)
+    tasks = list(cfg.tasks)
+    limits = [suite.task(t).max_steps for t in tasks]
+
+    def merged(name: str) -> DictConfig:
+        conf, groups = STAGE_CONFIGS[name]
+        return compose_stage_config(conf, _stage_cfg(cfg, name),
+                                    groups=groups + [str(x) for x in ((cfg.get("stage_groups") or {}).get(name) or [])])
+
+    col, bc, wm, cr, g = merged("collect"), merged("bc"), merged("worldmodel"), merged("critic"), merged("grpo")
+    br = cfg.stages.bc_rollouts
+    ev, ic = cfg.evaluation, cfg.get("imagination_check") or {}
+    chunk = int(g.grpo.get("max_chunks", 12))
+    units = {
+        "collect": (int(col.episodes_per_task) * sum(limits), ("sim_step_s",)),
+        "bc": (int(bc.steps), ("bc_step_s",)),
+        "bc_rollouts": (int(br.episodes_per_task) * len(tasks) * int(br.max_steps), ("sim_step_s",)),
+        "worldmodel": (int(wm.train.steps), ("wm_step_s",)),
+        "critic": (int(cr.train.steps), ("critic_step_s",)),
+        "imagination_check": (int(ic.get("starts_per_task", 0) or 0) * len(tasks) * int(g.grpo.group_size) * chunk,
+                              ("imagine_per_rollout_s", "policy_sde_per_rollout_s")),
+        "eval_before": (int(ev.episodes_per_task) * sum(limits), ("sim_step_s",)),
+        "grpo": (int(g.iterations) * int(g.env.num_envs) * chunk, ("imagine_per_rollout_s", "policy_sde_per_rollout_s")),
+        "eval_after": (int(ev.episodes_per_task) * sum(limits), ("sim_step_s",)),
+    }
+    return {k: {"units": float(u), "costs": list(c)} for k, (u, c) in units.items()}
+
+
+def estimate_pipeline(cfg: DictConfig, calib: dict[str, float], suite=None) -> dict[str, Any]:
+    """Estimated wall time of the pipeline ``cfg`` on the machine ``calib`` was measured on.
+
+    Returns ``{"total_s", "stages": {stage: s}, "units": {...}, "calibration": calib, "reference": ...}``;
+    ``total_s`` is ``None`` (with a reason) while :data:`REFERENCE` holds no fitted run."""
+    units = work_units(cfg, suite)
+    stages: dict[str, float] = {}
+    missing = []
+    for name, u in units.items():
+        cost = sum(calib[c] for c in u["costs"])
+        ref = REFERENCE.get(name)
+        if ref is None:
+            missing.append(name)
+            continue
+        t_ref, u_ref, c_ref = ref
+        k = t_ref / max(u_ref * c_ref, 1e-12)
+        stages[name] = k * u["units"] * cost
+    out: dict[str, Any] = {"units": units, "calibration": calib, "reference": REFERENCE_RUN}
+    if missing:
+        out.update(total_s=None, stages=stages, missing=missing,
+                   why=f"no reference figures for {', '.join(missing)} (wmrl.run.machine.REFERENCE)")
+        return out
+    out.update(total_s=float(sum(stages.values()) + calib.get("calibration_s", 0.0)),
+               stages={k: round(v, 1) for k, v in stages.items()})
+    return out
+
+
+def unit_cost(units: dict, calib: dict, name: str) -> float:
+    """The per-unit cost of stage ``name`` (sum of its calibration keys)."""
+    return float(sum(calib[c] for c in units[name]["costs"]))

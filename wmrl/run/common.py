@@ -147,16 +147,13 @@ def set_threads(n: Any) -> tuple[int, str]:
     return k, why
 
 
-def runtime_info() -> dict[str, Any]:
+def runtime_info(threads_reason: str | None = None) -> dict[str, Any]:
     """What a report records about how this process computes: torch threads and why, cores, the
     OpenMP wait policy."""
     import torch
 
-    return {"num_threads": torch.get_num_threads(), "threads_reason": _THREADS_REASON.get("why"),
+    return {"num_threads": torch.get_num_threads(), "threads_reason": threads_reason,
             "cores_available": available_cores(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
-
-
-_THREADS_REASON: dict[str, str] = {}
 
 
 def seed_everything(seed: int) -> None:
@@ -215,7 +212,6 @@ class RunContext:
         self.previous_config: str | None = prev.read_text() if prev.is_file() else None
         prev.write_text(OmegaConf.to_yaml(cfg, resolve=True))
         self.num_threads, self.threads_reason = set_threads(cfg.get("num_threads", None))
-        _THREADS_REASON["why"] = self.threads_reason
         if "seed" in cfg:
             seed_everything(int(cfg.seed))
         log.info("run directory: %s", self.out_dir)
@@ -240,7 +236,7 @@ class RunContext:
     def finish(self, report: dict[str, Any], name: str = "report.json") -> Path:
         report = dict(report)
         report.setdefault("wall_time_s", round(time.time() - self.t0, 3))
-        report.setdefault("runtime", runtime_info())
+        report.setdefault("runtime", runtime_info(self.threads_reason))
         out = self.out_dir / name
         out.write_text(json.dumps(_jsonable(report), indent=2))
         log.info("report: %s", out)

@@ -32,8 +32,19 @@ log = logging.getLogger("wmrl.machine")
 # machine: AMD EPYC (family 26), 2 cores, AVX-512 with AVX512_BF16, 24 GiB; bf16 autocast for BC and
 # the world model. REFERENCE[stage] = (measured wall s, work units, unit cost s) from that run's
 # report.json ("stages", "estimate.units", "estimate.calibration"); k = time / (units * cost).
-REFERENCE_RUN = "default pipeline, seed 0, reference CPU above"
-REFERENCE: dict[str, tuple[float, float, float]] = {}
+# (`python -m wmrl.run.machine REPORT.json` prints these rows from a run's report.)
+REFERENCE_RUN = "default pipeline at a19d59d, seed 0, 752 s, on the reference CPU above"
+REFERENCE: dict[str, tuple[float, float, float]] = {
+    "collect": (74.1, 10800.0, 0.0122955),
+    "bc": (148.4, 3600.0, 0.0416314),
+    "bc_rollouts": (43.8, 3840.0, 0.0122955),
+    "worldmodel": (177.7, 700.0, 0.242507),
+    "critic": (76.2, 1600.0, 0.0355173),
+    "imagination_check": (25.7, 576.0, 0.0037667),
+    "eval_before": (68.8, 18000.0, 0.0122955),
+    "grpo": (70.2, 17280.0, 0.0037667),
+    "eval_after": (67.2, 18000.0, 0.0122955),
+}
 
 
 @contextlib.contextmanager
@@ -300,3 +311,22 @@ def estimate_pipeline(cfg: DictConfig, calib: dict[str, float], suite=None) -> d
 def unit_cost(units: dict, calib: dict, name: str) -> float:
     """The per-unit cost of stage ``name`` (sum of its calibration keys)."""
     return float(sum(calib[c] for c in units[name]["costs"]))
+
+
+def reference_from_report(report: dict) -> dict[str, tuple[float, float, float]]:
+    """:data:`REFERENCE` entries from a default pipeline's ``report.json`` (its ``stages`` wall times and
+    the ``estimate`` block with ``units`` and ``calibration`` it recorded at its start)."""
+    est = report.get("estimate") or {}
+    if not est.get("units") or not est.get("calibration"):
+        raise ValueError("the report has no estimate block (run the pipeline with estimate=true)")
+    units, calib = est["units"], est["calibration"]
+    return {s: (round(float(report["stages"][s]["wall_time_s"]), 1), float(units[s]["units"]),
+                float(f"{unit_cost(units, calib, s):.6g}")) for s in units if s in report["stages"]}
+
+
+if __name__ == "__main__":  # python -m wmrl.run.machine REPORT.json: print REFERENCE fitted from a run
+    import json
+    import sys
+
+    for stage, row in reference_from_report(json.loads(open(sys.argv[1]).read())).items():
+        print(f'    "{stage}": {row},')

@@ -197,7 +197,7 @@ def test_world_model_cut_by_its_budget_says_so(tmp_path, monkeypatch):
 
 
 def test_pipeline_marks_a_run_cut_by_a_budget_as_not_comparable():
-    from wmrl.run.pipeline import _budget_summary
+    from wmrl.run.machine import budget_summary as _budget_summary
 
     full = {"bc": {"steps": 10, "steps_planned": 10, "cut_by_budget": False},
             "worldmodel": {"steps": 7, "steps_planned": 7}, "critic": {"steps": 5, "steps_planned": 5}}

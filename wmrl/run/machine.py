@@ -313,6 +313,48 @@ def unit_cost(units: dict, calib: dict, name: str) -> float:
     return float(sum(calib[c] for c in units[name]["costs"]))
 
 
+def budget_summary(reports: dict[str, dict]) -> dict[str, Any]:
+    """Steps done of steps planned for every training stage of a pipeline (``reports``: stage ->
+    report), and whether a time cap cut any short: then the run is not comparable with the reference
+    figures, which ran every planned step. Returns ``budgets``, ``comparable_with_reference`` and
+    ``not_comparable_because`` (one line per stage cut)."""
+    budgets = {n: {"steps": reports[n].get("steps"), "steps_planned": reports[n].get("steps_planned"),
+                   "cut_by_budget": bool(reports[n].get("cut_by_budget", False))}
+               for n in ("bc", "worldmodel", "critic") if n in reports}
+    why = [f"{n} ran {b['steps']} of {b['steps_planned']} planned steps (its time budget)"
+           for n, b in budgets.items() if b["cut_by_budget"]]
+    return {"budgets": budgets, "comparable_with_reference": not why, "not_comparable_because": why}
+
+
+def announce_estimate(cfg: DictConfig, suite=None) -> dict | None:
+    """Calibrate this machine for the pipeline ``cfg`` and log its estimated time; ``None`` (with a
+    warning) if the calibration fails, which never stops a run."""
+    try:
+        log.info("calibrating this machine for a time estimate (estimate=false skips it) ...")
+        est = estimate_pipeline(cfg, calibrate(cfg), suite)
+    except Exception as e:  # an estimate is advice
+        log.warning("time estimate skipped: calibration failed (%s: %s)", type(e).__name__, e)
+        return None
+    if est.get("total_s"):
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in est["stages"].items())
+        log.info("estimated pipeline time on this machine: %.1f min (%s s)", est["total_s"] / 60, parts)
+    else:
+        log.info("no time estimate: %s", est.get("why"))
+    return est
+
+
+def compare_estimate(est: dict | None, stages_s: float) -> dict | None:
+    """``est`` with the measured time added: ``measured_total_s`` (the stages' wall time plus the
+    calibration's) and ``estimate_over_measured``."""
+    if est is None:
+        return None
+    est = dict(est)
+    est["measured_total_s"] = round(stages_s + float(est["calibration"].get("calibration_s", 0.0)), 1)
+    if est.get("total_s"):
+        est["estimate_over_measured"] = round(est["total_s"] / max(est["measured_total_s"], 1e-9), 3)
+    return est
+
+
 def reference_from_report(report: dict) -> dict[str, tuple[float, float, float]]:
     """:data:`REFERENCE` entries from a default pipeline's ``report.json`` (its ``stages`` wall times and
     the ``estimate`` block with ``units`` and ``calibration`` it recorded at its start)."""

@@ -42,6 +42,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from wmrl.refresh import record_episodes, store_like
+from wmrl.run import machine
 from wmrl.run.common import RunContext, run_main
 from wmrl.types import Start
 
@@ -509,7 +510,7 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
     suite_cfg["tasks"] = list(cfg.tasks)
     suite = hydra.utils.instantiate(suite_cfg)
     tasks = {t: suite.instruction(t) for t in suite.task_names}
-    estimate = _estimate(cfg, suite) if cfg.get("estimate", True) else None
+    estimate = machine.announce_estimate(cfg, suite) if cfg.get("estimate", True) else None
     check_fidelity = int((cfg.get("imagination_check") or {}).get("starts_per_task", 0) or 0) > 0
     stages = Stages(ctx, resume=bool(cfg.resume),
                     order=[n for n in STAGE_ORDER if n != "imagination_check" or check_fidelity])
@@ -636,52 +637,14 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
         "plots": plots,
         "videos": videos,
     }
-    report.update(_budget_summary(stages.reports))
+    report.update(machine.budget_summary(stages.reports))
     report["precision"] = {n: stages.reports.get(n, {}).get("precision") for n in ("bc", "worldmodel", "critic", "grpo")}
-    report["threads"] = {"num_threads": common["num_threads"], "reason": ctx_threads_reason(ctx)}
-    if estimate is not None:
-        estimate["measured_total_s"] = report["total_wall_time_s"]
-        if estimate.get("total_s"):
-            estimate["estimate_over_measured"] = round(estimate["total_s"] / max(report["total_wall_time_s"], 1e-9), 3)
-    report["estimate"] = estimate
+    report["threads"] = {"num_threads": common["num_threads"], "reason": getattr(ctx, "threads_reason", None)}
+    report["estimate"] = machine.compare_estimate(estimate, report["total_wall_time_s"])
     if not report["comparable_with_reference"]:
         log.warning("NOT COMPARABLE with the reference figures: %s", "; ".join(report["not_comparable_because"]))
     log.info("success before %.3f -> after %.3f (gain %+.3f)", before["success"], after["success"], report["success_gain"])
     return report
-
-
-def ctx_threads_reason(ctx: RunContext) -> str | None:
-    return getattr(ctx, "threads_reason", None)
-
-
-def _budget_summary(reports: dict[str, dict]) -> dict[str, Any]:
-    """Steps done of steps planned for every training stage, and whether a time cap cut any short
-    (then the run is not comparable with the reference figures, which ran every planned step)."""
-    budgets = {n: {"steps": reports[n].get("steps"), "steps_planned": reports[n].get("steps_planned"),
-                   "cut_by_budget": bool(reports[n].get("cut_by_budget", False))}
-               for n in ("bc", "worldmodel", "critic") if n in reports}
-    why = [f"{n} ran {b['steps']} of {b['steps_planned']} planned steps (its time budget)"
-           for n, b in budgets.items() if b["cut_by_budget"]]
-    return {"budgets": budgets, "comparable_with_reference": not why, "not_comparable_because": why}
-
-
-def _estimate(cfg: DictConfig, suite) -> dict | None:
-    """Calibrate this machine (about 10 s) and print the pipeline's estimated time; ``None`` (with a
-    warning) if the calibration fails, which never stops the run."""
-    from wmrl.run.machine import calibrate, estimate_pipeline
-
-    try:
-        log.info("calibrating this machine for a time estimate (estimate=false skips it) ...")
-        est = estimate_pipeline(cfg, calibrate(cfg), suite)
-    except Exception as e:  # an estimate is advice
-        log.warning("time estimate skipped: calibration failed (%s: %s)", type(e).__name__, e)
-        return None
-    if est.get("total_s"):
-        parts = ", ".join(f"{k} {v:.0f}" for k, v in est["stages"].items())
-        log.info("estimated pipeline time on this machine: %.1f min (%s s)", est["total_s"] / 60, parts)
-    else:
-        log.info("no time estimate: %s", est.get("why"))
-    return est
 
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="pipeline")

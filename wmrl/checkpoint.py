@@ -9,8 +9,17 @@ A checkpoint folder holds
 * optionally ``extra.safetensors`` (any named tensors, e.g. optimizer state, see
   :func:`optimizer_state_to_tensors`) and ``meta.json`` (JSON, e.g. the training step).
 
-Writes are atomic at the folder level: everything goes into a temporary sibling folder which then
-replaces ``folder``, so a crash never leaves a half-written ``last`` checkpoint.
+Writes are atomic at the folder level: everything goes into a temporary sibling folder, then
+``checksums.json`` (sha256 of every weight file, ``*.safetensors``; the YAML and JSON stay
+editable by hand) is written last, and the folder replaces
+``folder`` in one step: a rename when ``folder`` does not exist, an atomic exchange of the two
+folders (Linux ``renameat2(RENAME_EXCHANGE)``) when it does, so a kill at any moment leaves either
+the old or the new checkpoint complete under its name. Where the exchange is not supported (another
+OS or file system) the old folder is moved aside first; a kill between the two renames leaves no
+``folder``, and :func:`recover_checkpoint` (run by every save and load, and by
+:func:`checkpoint_exists`) puts back the newest complete one. Leftover temporary folders of dead
+writers are removed. Loading checks the sha256 of each weight file against ``checksums.json`` and refuses
+a changed one, naming it; a checkpoint written before checksums existed loads with a log note.
 
 Errors: :class:`CheckpointError` (a ``ValueError``) for a missing or corrupt folder, a config
 without ``_target_``, an object that cannot be rebuilt, or weights that do not fit it (strict).
@@ -18,8 +27,11 @@ without ``_target_``, an object that cannot be rebuilt, or weights that do not f
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import hashlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Mapping
@@ -34,6 +46,9 @@ CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"
 EXTRA_FILE = "extra.safetensors"
 META_FILE = "meta.json"
+CHECKSUM_FILE = "checksums.json"
+
+log = logging.getLogger("wmrl.checkpoint")
 
 
 class CheckpointError(ValueError):
@@ -89,6 +104,7 @@ def save_checkpoint(obj: nn.Module, folder: str | os.PathLike, config: Any,
             raise CheckpointError(f"checkpoint meta is not JSON-serialisable: {e}") from None
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
+    recover_checkpoint(folder)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -100,23 +116,145 @@ def save_checkpoint(obj: nn.Module, folder: str | os.PathLike, config: Any,
             save_file({k: v.detach().contiguous().cpu() for k, v in extra_tensors.items()}, str(tmp / EXTRA_FILE))
         if meta_text is not None:
             (tmp / META_FILE).write_text(meta_text)
-        old = None
-        if folder.exists():
-            old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        _write_checksums(tmp)                  # last: a folder with it is complete
+        _swap_into_place(tmp, folder)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_checksums(folder: Path) -> None:
+    sums = {p.name: _sha256(p) for p in sorted(folder.glob("*.safetensors")) if p.is_file()}
+    part = folder / f".{CHECKSUM_FILE}.partial"
+    part.write_text(json.dumps(sums, indent=1))
+    os.replace(part, folder / CHECKSUM_FILE)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where
+    the call is unavailable or refused (then nothing has moved)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0
+
+
+def _swap_into_place(tmp: Path, folder: Path) -> None:
+    if not folder.exists():
+        os.replace(tmp, folder)
+        return
+    if _exchange(tmp, folder):              # folder is now the new one, tmp holds the old
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    old = folder.parent / f".{folder.name}.old-{os.getpid()}"
+    if old.exists():
+        shutil.rmtree(old)
+    os.replace(folder, old)                 # a kill here leaves no `folder`: recover_checkpoint() mends it
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / CHECKSUM_FILE).is_file() or (
+        (folder / CONFIG_FILE).is_file() and (folder / WEIGHTS_FILE).is_file() and ".old-" in folder.name)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """Mend what a killed writer of ``folder`` left: if ``folder`` is missing, the newest complete
+    leftover (a finished temporary folder, else the old one moved aside) becomes ``folder``;
+    leftovers of writers that are no longer running are removed. Returns ``folder`` if it exists
+    afterwards, else ``None``."""
+    folder = Path(folder)
+    if not folder.parent.is_dir():
+        return None
+    leftovers = []
+    for p in folder.parent.glob(f".{folder.name}.*-*"):
+        kind, _, pid = p.name[len(folder.name) + 2:].partition("-")
+        if kind not in ("tmp", "old") or not pid.isdigit():
+            continue
+        if int(pid) != os.getpid() and _pid_alive(int(pid)):
+            continue                        # another live writer's folder
+        leftovers.append((kind, p))
+    if not folder.exists():
+        done = sorted((p for k, p in leftovers if k == "tmp" and _complete(p)), key=lambda p: p.stat().st_mtime)
+        olds = sorted((p for k, p in leftovers if k == "old" and _complete(p)), key=lambda p: p.stat().st_mtime)
+        pick = (done or olds or [None])[-1]
+        if pick is not None:
+            os.replace(pick, folder)
+            log.warning("checkpoint %s was missing after an interrupted save; restored it from %s", folder, pick.name)
+    for _, p in leftovers:
+        if p.exists():
+            shutil.rmtree(p, ignore_errors=True)
+    return folder if folder.exists() else None
+
+
+def checkpoint_exists(folder: str | os.PathLike) -> bool:
+    """Whether a complete checkpoint is at ``folder``, after :func:`recover_checkpoint` (use it to
+    decide whether to resume)."""
+    folder = Path(folder)
+    recover_checkpoint(folder)
+    return (folder / CONFIG_FILE).is_file() and (folder / WEIGHTS_FILE).is_file()
+
+
+def verify_checkpoint(folder: str | os.PathLike) -> bool:
+    """Check every weight file of ``folder`` against its ``checksums.json``. Returns ``True`` when verified,
+    ``False`` for a checkpoint without checksums (written by an older wmrl; logged once per folder).
+
+    Raises:
+        CheckpointError: a file whose sha256 differs from the recorded one, or one that is missing,
+            naming it.
+    """
+    folder = Path(folder)
+    f = folder / CHECKSUM_FILE
+    if not f.is_file():
+        if str(folder) not in _UNVERIFIED:
+            _UNVERIFIED.add(str(folder))
+            log.info("%s has no %s (saved by an older wmrl): its files are not verified", folder, CHECKSUM_FILE)
+        return False
+    try:
+        sums = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f} is corrupt: {e}") from None
+    for name, want in sums.items():
+        p = folder / name
+        if not p.is_file():
+            raise CheckpointError(f"{p} is missing (listed in {CHECKSUM_FILE})")
+        if _sha256(p) != want:
+            raise CheckpointError(f"{p} is corrupt: its sha256 differs from the one recorded when it was saved "
+                                  f"({CHECKSUM_FILE}); restore it or use another checkpoint")
+    return True
+
+
+_UNVERIFIED: set[str] = set()
+
+
 def _check_folder(folder: str | os.PathLike) -> Path:
     folder = Path(folder)
+    if not folder.is_dir():
+        recover_checkpoint(folder)
     if not folder.is_dir():
         raise CheckpointError(f"no checkpoint folder at {folder}")
     for name in (CONFIG_FILE, WEIGHTS_FILE):
@@ -154,6 +292,7 @@ def load_checkpoint(folder: str | os.PathLike, map_location: str | torch.device 
     from safetensors.torch import load_model
 
     folder = _check_folder(folder)
+    verify_checkpoint(folder)
     cfg = read_checkpoint_config(folder)
     kwargs = {} if "_convert_" in cfg else {"_convert_": "all"}
     try:

@@ -796,7 +796,7 @@ def train_grpo(policy: Policy, policy_config: dict, env: ChunkEnv, optimizer: to
     """
     from pathlib import Path
 
-    from wmrl.checkpoint import load_checkpoint_meta, load_extra_tensors, save_checkpoint
+    from wmrl.checkpoint import checkpoint_exists, load_checkpoint_meta, load_extra_tensors, save_checkpoint, verify_checkpoint
 
     out_dir = Path(out_dir)
     ck_dir = out_dir / "checkpoints"
@@ -806,9 +806,10 @@ def train_grpo(policy: Policy, policy_config: dict, env: ChunkEnv, optimizer: to
     start_it = 0
     resumed_from = None
     last = ck_dir / "last"
-    if resume and (last / "model.safetensors").is_file():
+    if resume and checkpoint_exists(last):
         from safetensors.torch import load_model
 
+        verify_checkpoint(last)
         load_model(policy, str(last / "model.safetensors"))  # type: ignore[arg-type]
         meta = load_checkpoint_meta(last)
         extra = load_extra_tensors(last)

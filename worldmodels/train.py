@@ -22,7 +22,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from wmrl.checkpoint import load_checkpoint, load_checkpoint_meta, load_extra_tensors, save_checkpoint
+from wmrl.checkpoint import (
+    checkpoint_exists,
+    load_checkpoint,
+    load_checkpoint_meta,
+    load_extra_tensors,
+    save_checkpoint,
+)
 from worldmodels.critic import ProgressValueCritic
 from worldmodels.data import EpisodeFrames
 from worldmodels.video_wm import ChunkFlowWorldModel, WMState, to_uint8, to_unit
@@ -81,7 +87,7 @@ def _save(model, config: dict, opt, step: int, rng: np.random.Generator, out_dir
 
 def _resume(out_dir: Path, opt_factory):
     last = out_dir / "checkpoints" / "last"
-    if not (last / "model.safetensors").is_file():
+    if not checkpoint_exists(last):
         return None
     model = load_checkpoint(last)
     opt = opt_factory(model)

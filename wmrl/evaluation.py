@@ -209,12 +209,11 @@ def _run_parallel(make_actor, make_suite, queue, workers: int, B: int, seed: int
                   device) -> dict[tuple[str, int], dict]:
     """Deal the queue round-robin to ``workers`` spawned processes (one torch thread each); every
     episode is still fixed by its (task, j), so the rows equal a one-process run."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+    from wmrl.workers import worker_pool
 
     parts = [queue[k::workers] for k in range(workers)]
     rows: dict[tuple[str, int], dict] = {}
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+    with worker_pool(workers) as pool:       # the workers die with this process
         futs = [pool.submit(_worker, make_actor, make_suite, part, B, seed, out, videos_per_task, video_camera,
                             tuple(video_size), fps, per_episode_sampling, str(device), k + 1)
                 for k, part in enumerate(parts) if part]

@@ -61,13 +61,13 @@ def _collect_parallel(cfg: DictConfig, suite, tasks: list[str], n: int, noise: f
     then appends their episodes to ``out`` task by task in ``tasks`` order, so the store is the one
     ``workers=1`` writes, whatever the processes' timing (held-out splits and BC data order depend on
     it). Tasks are dealt to the worker with the least expected work (episodes x the task's step
-    limit). A run killed before the merge keeps nothing new: a re-run collects those episodes again."""
-    import multiprocessing as mp
+    limit). A run killed before the merge keeps nothing new: a re-run removes the per-worker stores it left and
+    collects those episodes again. Workers die with the main process (``wmrl.workers``)."""
     import shutil
-    from concurrent.futures import ProcessPoolExecutor
     from pathlib import Path
 
     from wmrl.storage import EpisodeStore
+    from wmrl.workers import worker_pool
 
     work = {t: max(0, n - have[t]) * suite.task(t).max_steps for t in tasks}
     load = [0.0] * workers
@@ -79,8 +79,11 @@ def _collect_parallel(cfg: DictConfig, suite, tasks: list[str], n: int, noise: f
     suite_cfg = OmegaConf.to_container(cfg.suite, resolve=True)
     stats: dict = {}
     tmp = Path(str(out) + ".workers")
+    if tmp.exists():                        # a killed run's per-worker stores: never merged, collected again
+        log.warning("removing %s, left by a collect that did not finish; its episodes are collected again", tmp)
+        shutil.rmtree(tmp)
     parts = [tmp / f"worker{i}.zarr" for i in range(workers)]
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+    with worker_pool(workers) as pool:
         futs = [pool.submit(_collect_tasks, suite_cfg, g, n, noise, int(cfg.seed), str(parts[i]), have,
                             sum(max(0, n - have[t]) for t in g), i + 1, str(out), rotation_noise)
                 for i, g in enumerate(groups) if g]

@@ -186,10 +186,9 @@ def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -
     start, history = 0, []
     resumed_from = None
     last = ckpt_root / "last"
-    from wmrl.checkpoint import checkpoint_exists
+    from wmrl.checkpoint import checkpoint_exists, load_checkpoint, load_checkpoint_meta, load_extra_tensors
 
     if c["resume"] and checkpoint_exists(last) and (last / "meta.json").exists():
-        from wmrl.checkpoint import load_checkpoint, load_checkpoint_meta, load_extra_tensors
 
         meta = load_checkpoint_meta(last)
         loaded = load_checkpoint(last)

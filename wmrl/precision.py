@@ -66,6 +66,11 @@ class Precision:
     def as_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def fixed_fp32(cls, device: Any, reason: str) -> "Precision":
+        """The record of a model that always runs in fp32 (setting ``"none"``)."""
+        return cls("fp32", "none", _device_type(device), reason)
+
 
 def normalise_setting(setting: Any) -> str:
     """``"auto"``, ``"true"`` or ``"false"`` from a bool, ``None`` (auto) or a string.

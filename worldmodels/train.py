@@ -29,6 +29,7 @@ from wmrl.checkpoint import (
     load_extra_tensors,
     save_checkpoint,
 )
+from wmrl.precision import Precision
 from worldmodels.critic import ProgressValueCritic
 from worldmodels.data import EpisodeFrames
 from worldmodels.video_wm import ChunkFlowWorldModel, WMState, to_uint8, to_unit
@@ -451,8 +452,8 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
     critic.eval()
     cut = _warn_if_cut("critic", stopped_by_time, step, steps, max_minutes)
     report = {"steps": step, "steps_planned": steps, "cut_by_budget": cut,
-              "precision": {"dtype": "fp32", "setting": "none", "device": next(critic.parameters()).device.type,
-                            "reason": "critic: fp32 (it has no bf16 autocast path)"},
+              "precision": Precision.fixed_fp32(next(critic.parameters()).device,
+                                                "critic: fp32 (it has no bf16 autocast path)").as_dict(),
               "steps_this_run": step - start_step, "train_seconds": round(clock.wall(), 1),
               "train_cpu_seconds_per_thread": round(clock.process(), 1), "budget_clock": budget_clock,
               "final_loss": float(np.mean(hist[-log_every:])) if hist else None, "stopped_by_time": stopped_by_time,

@@ -167,7 +167,6 @@ def bc_rate_child(spec: dict) -> None:
     """In a fresh process (own OpenMP environment, own thread choice): BC steps/s of the default policy
     at ``spec`` (``policy`` config, ``batch_size``, ``steps``, ``bf16``, ``num_threads``); prints one
     JSON line ``{"steps_per_s", "num_threads", "threads_reason"}``."""
-    from wmrl.precision import resolve_bf16
     from wmrl.run.common import set_threads
 
     k, why = set_threads(spec["num_threads"])

@@ -102,7 +102,7 @@ def busy_cores_elsewhere(seconds: float = 0.25) -> float:
     return max(0.0, ((b1 - b0) - (o1 - o0)) / per_cpu_total)
 
 
-def resolve_threads(n: Any) -> tuple[int, str]:
+def resolve_threads(n: Any, busy: float | None = None) -> tuple[int, str]:
     """Torch intra-op threads for a setting, and why.
 
     ``"auto"`` (the default): the cores available to this process (:func:`available_cores`) less those
@@ -113,12 +113,14 @@ def resolve_threads(n: Any) -> tuple[int, str]:
     cores. ``N > 0``: exactly ``N``. Results are bitwise reproducible for the same thread count (a
     different count changes the order of float sums); every report records it.
 
+    ``busy``: the busy cores if already measured (otherwise ``auto`` measures them).
+
     Raises:
         ValueError: a setting that is not ``auto`` or an integer.
     """
     avail = available_cores()
     if n is None or (isinstance(n, str) and n.strip().lower() == "auto"):
-        busy = busy_cores_elsewhere()
+        busy = busy_cores_elsewhere() if busy is None else busy
         k = max(1, avail - int(busy + 0.4))
         why = f"num_threads=auto: {avail} core(s) available"
         if k < avail:

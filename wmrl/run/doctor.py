@@ -106,7 +106,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         slow = measure_bf16_slowdown("cpu")
     print(f"precision  {prec.dtype} ({prec.reason})" + (f"; bf16 here would run {slow:.1f}x the fp32 time" if slow else ""))
     busy = busy_cores_elsewhere()
-    k, why = resolve_threads("auto")
+    k, why = resolve_threads("auto", busy=busy)
     print(f"threads    {k} ({why}); {available_cores()} core(s) available, {busy:.1f} busy with other processes now; "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     mem = _memory_disk(ctx.out_dir)
@@ -126,13 +126,14 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         import torch
         from omegaconf import OmegaConf
 
-        from wmrl.run.machine import calibrate, estimate_pipeline
+        from wmrl.run.machine import calibrate, estimate_pipeline, pipeline_suite
         from wmrl.run.pipeline import apply_preset, compose_stage_config
 
         torch.set_num_threads(k)
         over = OmegaConf.to_container(cfg.pipeline, resolve=True) if cfg.get("pipeline") else {}
         pcfg = apply_preset(compose_stage_config("pipeline", over))
-        est = estimate_pipeline(pcfg, calibrate(pcfg))
+        suite = pipeline_suite(pcfg)
+        est = estimate_pipeline(pcfg, calibrate(pcfg, suite=suite), suite)
         report["pipeline_estimate"] = est
         if est.get("total_s"):
             print(f"pipeline   the default `wmrl pipeline` should take about {est['total_s'] / 60:.1f} min here "

@@ -36,7 +36,7 @@ log = logging.getLogger("wmrl.machine")
 REFERENCE_RUN = "default pipeline at a19d59d, seed 0, 752 s, on the reference CPU above"
 REFERENCE: dict[str, tuple[float, float, float]] = {
     "collect": (74.1, 10800.0, 0.0122955),
-    "bc": (148.4, 3600.0, 0.0416314),
+    "bc": (148.4, 3600.0, 0.0432774),   # 0.0416314 x 1.0395: the BC step now timed with EMA and clipping
     "bc_rollouts": (43.8, 3840.0, 0.0122955),
     "worldmodel": (177.7, 700.0, 0.242507),
     "critic": (76.2, 1600.0, 0.0355173),
@@ -59,119 +59,71 @@ def _rng_kept():
             np.random.set_state(npst)
 
 
-def _median_time(fn: Callable[[], Any], runs: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+def _median_s(fn: Callable[[], Any], runs: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` (``wmrl.run.bench_policy._time``, which gives milliseconds)."""
+    from wmrl.run.bench_policy import _time
+
+    return float(np.median(_time(fn, runs, warmup))) / 1000.0
 
 
-def _sim_step_s(suite, task: str, steps: int = 40) -> float:
-    from sim.env import TaskEnv
-    from sim.expert import ScriptedExpert
-
-    spec = suite.task(task)
-    env = TaskEnv(spec.scene, suite.cameras, suite.image_size, dataclasses.asdict(suite.render))
-    env.reset(spec, suite.init_state(task, "eval", 0))
-    expert = ScriptedExpert(spec, 0.0, 0)
-    for _ in range(5):
-        env.observe()
-        env.step(expert.act(env.privileged()))
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        env.observe()
-        _, _, te, tr = env.step(expert.act(env.privileged()))
-        if te or tr:
-            env.reset(spec, suite.init_state(task, "eval", 1))
-    out = (time.perf_counter() - t0) / steps
-    close = getattr(env, "close", None)
-    if callable(close):
-        close()
-    return out
+def pipeline_suite(cfg: DictConfig):
+    """The suite the pipeline ``cfg`` runs (its ``suite`` with its ``tasks``)."""
+    sc = OmegaConf.to_container(cfg.suite, resolve=True)
+    sc["tasks"] = list(cfg.tasks)
+    return instantiate(sc)
 
 
-def _policy(policy_cfg: dict, suite):
-    from wmrl.storage import NormStats
+def _stage_config(cfg: DictConfig, name: str) -> DictConfig:
+    """Stage ``name``'s config as the pipeline ``cfg`` composes it: its entry point's config with the
+    pipeline's ``stage_groups`` and ``stages.<name>`` merged on."""
+    from wmrl.run.pipeline import STAGE_CONFIGS, compose_stage_config
 
-    pc = dict(policy_cfg)
-    pc["cameras"] = pc.get("cameras") or list(suite.cameras)
-    pc["image_size"] = pc.get("image_size") or list(suite.image_size)
-    pc["state_dim"] = pc.get("state_dim") or 9      # the suite's proprio and action sizes
-    pc["action_dim"] = pc.get("action_dim") or 7
-    policy = instantiate(pc, _convert_="all")
-    rng = np.random.default_rng(0)
-    policy.set_norm_stats(NormStats.from_data({"proprio": rng.standard_normal((64, policy.state_dim)),
-                                               "actions": rng.uniform(-1, 1, (64, policy.action_dim))}))
-    return policy
+    conf, groups = STAGE_CONFIGS[name]
+    over = OmegaConf.to_container(cfg.stages.get(name) or {}, resolve=True)
+    return compose_stage_config(conf, over,
+                                groups=groups + [str(x) for x in ((cfg.get("stage_groups") or {}).get(name) or [])])
 
 
-def _obs(cameras, image_size, state_dim: int, b: int, text: str = "lift the red cube"):
-    from wmrl.types import Obs
-
-    h, w = image_size
-    return Obs({c: torch.randint(0, 256, (b, 3, h, w), dtype=torch.uint8) for c in cameras},
-               torch.randn(b, state_dim), [text] * b)
-
-
-def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None) -> dict[str, float]:
+def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None, suite=None) -> dict[str, float]:
     """Seconds per unit of work at the pipeline config ``cfg``'s sizes and precision, on this machine
-    with the current torch thread count. Leaves the global RNGs as they were.
+    with the current torch thread count, timed by the benchmarks' own pieces (``bench_sim.measure``,
+    ``bench_policy``'s BC step). ``suite``: the pipeline's (:func:`pipeline_suite` when ``None``).
+    Leaves the global RNGs as they were.
 
     Returns ``{"sim_step_s", "bc_step_s", "wm_step_s", "critic_step_s", "imagine_per_rollout_s",
     "policy_per_env_s", "policy_sde_per_rollout_s", "calibration_s"}``.
     """
     from wmrl.precision import resolve_bf16
-    from wmrl.run.pipeline import STAGE_CONFIGS, compose_stage_config
+    from wmrl.run.bench_policy import _bc_step_fn, _build, _obs
+    from wmrl.run.bench_sim import measure
 
     say = progress or (lambda s: None)
     t_start = time.perf_counter()
     out: dict[str, float] = {}
-    suite_cfg = OmegaConf.to_container(cfg.suite, resolve=True)
-    suite_cfg["tasks"] = list(cfg.tasks)
     with _rng_kept(), torch.no_grad():
-        suite = instantiate(suite_cfg)
+        suite = suite if suite is not None else pipeline_suite(cfg)
         say("simulator step (rendered)")
-        out["sim_step_s"] = _sim_step_s(suite, suite.task_names[0])
-
-    def stage(name: str) -> DictConfig:
-        conf, groups = STAGE_CONFIGS[name]
-        over = OmegaConf.to_container(cfg.stages.get(name) or {}, resolve=True)
-        return compose_stage_config(conf, over, groups=groups + [str(x) for x in ((cfg.get("stage_groups") or {}).get(name) or [])])
+        sim = measure(suite, suite.task_names[0], suite.cameras, dataclasses.asdict(suite.render), 40, 5)
+        out["sim_step_s"] = 1.0 / sim["steps_per_s"]
 
     with _rng_kept():
         say("BC step")
-        bc = stage("bc")
-        policy = _policy(OmegaConf.to_container(bc.policy, resolve=True), suite)
+        bc = _stage_config(cfg, "bc")
+        policy, _ = _build(OmegaConf.create({"policy": OmegaConf.to_container(bc.policy, resolve=True),
+                                             "cameras": list(suite.cameras), "image_size": list(suite.image_size),
+                                             "state_dim": suite.state_dim, "action_dim": suite.action_space.dim}))
         b = int(bc.train.batch_size)
         prec = resolve_bf16(bc.train.get("bf16", "auto"), "cpu", "BC")
-        o = _obs(policy.cameras, policy.image_size, policy.state_dim, b)
-        batch = {"images": o.images, "proprio": o.proprio,
-                 "actions": torch.rand(b, policy.chunk_size, policy.action_dim) * 2 - 1,
-                 "action_pad": torch.zeros(b, policy.chunk_size, dtype=torch.bool), "instruction": o.task}
-        opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
-        policy.train()
-
-        def bc_step():
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=prec.bf16):
-                loss, _ = policy.loss(batch)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
-        out["bc_step_s"] = _median_time(bc_step, 5, 2)
+        out["bc_step_s"] = _median_s(_bc_step_fn(policy, b, prec.bf16, "cpu"), 5, 2)
         policy.eval()
         with torch.no_grad():
             ne = int(cfg.evaluation.num_envs)
-            oe = _obs(policy.cameras, policy.image_size, policy.state_dim, ne)
-            out["policy_per_env_s"] = _median_time(lambda: policy.sample(oe), 3) / ne
+            oe = _obs(policy, ne)
+            out["policy_per_env_s"] = _median_s(lambda: policy.sample(oe), 3) / ne
 
     with _rng_kept():
         say("world-model step")
-        wmc = stage("worldmodel")
+        wmc = _stage_config(cfg, "worldmodel")
         wm = instantiate(OmegaConf.to_container(wmc.worldmodel, resolve=True), _convert_="all")
         wm.set_norm_stats(torch.randn(16, wm.state_dim), torch.randn(16, wm.state_dim))
         bw = int(wmc.train.batch_size)
@@ -189,11 +141,11 @@ def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None) ->
             loss.backward()
             wopt.step()
 
-        out["wm_step_s"] = _median_time(wm_step, 2, 1)
+        out["wm_step_s"] = _median_s(wm_step, 2, 1)
 
     with _rng_kept():
         say("critic step")
-        cc = stage("critic")
+        cc = _stage_config(cfg, "critic")
         ccfg = OmegaConf.to_container(cc.critic, resolve=True)
         ccfg["text_encoder"] = "none"   # embeddings are cached per instruction in use
         critic = instantiate(ccfg, _convert_="all")
@@ -213,15 +165,15 @@ def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None) ->
             loss.backward()
             copt.step()
 
-        out["critic_step_s"] = _median_time(critic_step, 4, 1)
+        out["critic_step_s"] = _median_s(critic_step, 4, 1)
 
     with _rng_kept(), torch.no_grad():
         say("imagined chunk")
-        g = stage("grpo")
+        g = _stage_config(cfg, "grpo")
         nb = int(g.env.num_envs)
         wm.eval()
         critic.eval()
-        ctx = _obs(wm.cameras, wm.image_size, wm.state_dim, nb)
+        ctx = _obs(wm, nb)
         state = wm.init(ctx)
         acts = torch.rand(nb, wm.chunk_size, wm.action_dim) * 2 - 1
 
@@ -229,40 +181,26 @@ def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None) ->
             _, pred = wm.imagine(state, acts)
             critic.evaluate(pred)
 
-        out["imagine_per_rollout_s"] = _median_time(imagine, 2, 1) / nb
+        out["imagine_per_rollout_s"] = _median_s(imagine, 2, 1) / nb
         from wmrl.run.post_train import using_sampler
 
         sampler = instantiate(g.rl_sampler) if g.get("rl_sampler") else None
-        op = _obs(policy.cameras, policy.image_size, policy.state_dim, nb)
+        op = _obs(policy, nb)
         with using_sampler(policy, sampler):
-            out["policy_sde_per_rollout_s"] = _median_time(lambda: policy.sample(op), 2, 1) / nb
+            out["policy_sde_per_rollout_s"] = _median_s(lambda: policy.sample(op), 2, 1) / nb
     out["calibration_s"] = time.perf_counter() - t_start
     return out
-
-
-def _stage_cfg(cfg: DictConfig, name: str) -> dict:
-    return OmegaConf.to_container(cfg.stages.get(name) or {}, resolve=True)
 
 
 def work_units(cfg: DictConfig, suite=None) -> dict[str, dict[str, float]]:
     """Per stage, the work units it plans (``units``) and the calibration keys whose per-unit sum is
     its unit cost (``costs``), from the pipeline config ``cfg`` (stage settings as the pipeline merges
     them onto the stage configs' defaults where it leaves them out)."""
-    from wmrl.run.pipeline import STAGE_CONFIGS, compose_stage_config
-
-    if suite is None:
-        sc = OmegaConf.to_container(cfg.suite, resolve=True)
-        sc["tasks"] = list(cfg.tasks)
-        suite = instantiate(sc)
+    suite = suite if suite is not None else pipeline_suite(cfg)
     tasks = list(cfg.tasks)
     limits = [suite.task(t).max_steps for t in tasks]
 
-    def merged(name: str) -> DictConfig:
-        conf, groups = STAGE_CONFIGS[name]
-        return compose_stage_config(conf, _stage_cfg(cfg, name),
-                                    groups=groups + [str(x) for x in ((cfg.get("stage_groups") or {}).get(name) or [])])
-
-    col, bc, wm, cr, g = merged("collect"), merged("bc"), merged("worldmodel"), merged("critic"), merged("grpo")
+    col, bc, wm, cr, g = (_stage_config(cfg, n) for n in ("collect", "bc", "worldmodel", "critic", "grpo"))
     br = cfg.stages.bc_rollouts
     ev, ic = cfg.evaluation, cfg.get("imagination_check") or {}
     chunk = int(g.grpo.get("max_chunks", 12))
@@ -331,7 +269,7 @@ def announce_estimate(cfg: DictConfig, suite=None) -> dict | None:
     warning) if the calibration fails, which never stops a run."""
     try:
         log.info("calibrating this machine for a time estimate (estimate=false skips it) ...")
-        est = estimate_pipeline(cfg, calibrate(cfg), suite)
+        est = estimate_pipeline(cfg, calibrate(cfg, suite=suite), suite)
     except Exception as e:  # an estimate is advice
         log.warning("time estimate skipped: calibration failed (%s: %s)", type(e).__name__, e)
         return None

@@ -67,9 +67,10 @@ def make_sim_env(num_envs: int, suite=None, tasks=None, **suite_kwargs):
 def _precision_report(env, policy) -> dict:
     """What GRPO computed in: the policy always in fp32 (its log-prob ratios would be bf16 noise
     otherwise), the world model of an imagination env at its own resolved precision (``wmrl.precision``)."""
-    dev = next(policy.parameters()).device.type
-    out = {"policy": {"dtype": "fp32", "setting": "none", "device": dev,
-                      "reason": "GRPO: policy log-probs and ratios are computed in fp32"}}
+    from wmrl.precision import Precision
+
+    out = {"policy": Precision.fixed_fp32(next(policy.parameters()).device,
+                                          "GRPO: policy log-probs and ratios are computed in fp32").as_dict()}
     wm = getattr(env, "world_model", None)
     if wm is not None and callable(getattr(wm, "precision", None)):
         out["world_model"] = wm.precision().as_dict()

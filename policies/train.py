@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 
 log = logging.getLogger("wmrl.policies")
@@ -113,14 +113,23 @@ def _load_optimizer_state(opt, params, tensors: dict, meta: dict) -> None:
             opt.state[p] = st
 
 
-def _save_all(policy, ema, opt, params, step: int, ckpt_root: Path, history: list) -> Path:
-    """Write ``step_<n>`` and ``last`` (each atomically, via ``wmrl.checkpoint.save_checkpoint``)."""
+def _save_all(policy, ema, opt, params, step: int, ckpt_root: Path, history: list, gen: torch.Generator,
+              progress: dict, report: dict | None = None) -> Path:
+    """Write ``step_<n>`` and ``last`` (each atomically, via ``wmrl.checkpoint.save_checkpoint``) with
+    everything an exact resume needs: raw weights, optimizer, the batch/noise generator and the
+    process-wide RNGs (``wmrl.rng``), the recent losses and elapsed training time (``progress``); the
+    final checkpoint also carries the run's ``report``."""
     from wmrl.checkpoint import save_checkpoint
+    from wmrl.rng import capture_rng
 
     tensors, meta = _optimizer_state(opt, params)
     if ema is not None:
         tensors.update({f"raw.{k}": v.detach().cpu().contiguous() for k, v in policy.state_dict().items()})
-    meta.update(step=step, history=history[-200:])
+    rng_tensors, rng_meta = capture_rng({"bc": gen})
+    tensors.update(rng_tensors)
+    meta.update(step=step, history=history[-200:], rng=rng_meta, progress=progress)
+    if report is not None:
+        meta["report"] = report
     model = ema if ema is not None else policy
     folder = ckpt_root / f"step_{step}"
     for f in (folder, ckpt_root / "last"):
@@ -128,14 +137,65 @@ def _save_all(policy, ema, opt, params, step: int, ckpt_root: Path, history: lis
     return folder
 
 
-def _batches(dataset, n: int, c: dict, gen: torch.Generator):
-    """``n`` batches of windows drawn uniformly with replacement: vectorised ``sample_batch`` of an
-    in-memory ``WindowDataset``, else a ``DataLoader``."""
+class StepBatchSampler(Sampler):
+    """Batches of ``batch_size`` window indices drawn uniformly with replacement, batch ``s`` from a
+    generator seeded by ``(seed, s)``: the batch of a step does not depend on what was drawn before
+    it, so a ``DataLoader`` that prefetches (``num_workers > 0``) and a run resumed at ``start`` see
+    exactly the batches of the uninterrupted run."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, start: int, stop: int):
+        self.n, self.batch_size, self.seed, self.start, self.stop = n, batch_size, int(seed), int(start), int(stop)
+
+    def __len__(self) -> int:
+        return max(0, self.stop - self.start)
+
+    def __iter__(self):
+        for s in range(self.start, self.stop):
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + s)
+            yield torch.randint(self.n, (self.batch_size,), generator=g).tolist()
+
+
+def _batches(dataset, start: int, stop: int, c: dict, gen: torch.Generator):
+    """The batches of steps ``start..stop-1``: vectorised ``sample_batch`` of an in-memory
+    ``WindowDataset`` (drawn from ``gen``, restored on resume), else a ``DataLoader`` over a
+    :class:`StepBatchSampler`."""
     if getattr(dataset, "in_memory", False) and hasattr(dataset, "sample_batch"):
-        return (dataset.sample_batch(c["batch_size"], generator=gen) for _ in range(n))
-    sampler = RandomSampler(dataset, replacement=True, num_samples=n * c["batch_size"], generator=gen)
-    return DataLoader(dataset, batch_size=c["batch_size"], sampler=sampler, num_workers=c["num_workers"],
-                      drop_last=True)
+        return (dataset.sample_batch(c["batch_size"], generator=gen) for _ in range(stop - start))
+    sampler = StepBatchSampler(len(dataset), c["batch_size"], c["seed"], start, stop)
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=c["num_workers"])
+
+
+def _resume_bc(policy, ema, opt, params, gen: torch.Generator, last: Path, seed: int) -> tuple[int, list, dict, dict | None]:
+    """Load ``last`` into the policy, EMA, optimizer and generators. Returns ``(step, history,
+    progress, report)``; ``report`` is the finished run's report when ``last`` is the final checkpoint."""
+    from wmrl.checkpoint import load_checkpoint, load_checkpoint_meta, load_extra_tensors
+    from wmrl.rng import restore_rng, split_rng_tensors
+
+    meta = load_checkpoint_meta(last)
+    loaded = load_checkpoint(last)
+    rng_tensors, tensors = split_rng_tensors(load_extra_tensors(last))
+    raw = {k[4:]: v for k, v in tensors.items() if k.startswith("raw.")}
+    policy.load_state_dict(raw if raw else loaded.state_dict())
+    if ema is not None:
+        ema.load_state_dict(loaded.state_dict())
+    _load_optimizer_state(opt, params, {k: v for k, v in tensors.items() if k.startswith("opt.")}, meta)
+    start = int(meta["step"])
+    if "rng" in meta:
+        restore_rng(rng_tensors, meta["rng"], {"bc": gen})
+    else:
+        gen.manual_seed(seed + start)
+        log.warning("%s was written by an older wmrl without RNG state: the generator is re-seeded, so the resumed "
+                    "run is not bitwise the uninterrupted one", last)
+    log.info("resumed from %s at step %d", last, start)
+    return start, list(meta.get("history", [])), dict(meta.get("progress", {})), meta.get("report")
+
+
+def _ema_update(ema, policy, decay: float) -> None:
+    with torch.no_grad():
+        for pe, pp in zip(ema.parameters(), policy.parameters()):
+            pe.lerp_(pp, 1 - decay)
+        for be, bp in zip(ema.buffers(), policy.buffers()):
+            be.copy_(bp)
 
 
 def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -> dict:
@@ -147,7 +207,8 @@ def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -
         dataset: map-style dataset of windows (``wmrl.storage.WindowDataset(store, n_obs, horizon)``
             items: ``images``, ``proprio``, ``actions``, ``action_pad``, ``instruction``, ...).
         cfg: mapping with keys of :data:`DEFAULTS` (``steps``, ``batch_size``, ``lr``, ``ema_decay`` (0 =
-            off), ``ckpt_every``, ``resume``, ``time_budget_s`` (stop early after this wall time; 0 = off), ``lr_follows_budget`` (the LR decays
+            off), ``ckpt_every``, ``resume``, ``time_budget_s`` (stop early after this much training time,
+            summed over resumed runs; 0 = off), ``lr_follows_budget`` (the LR decays
             over the time budget when it runs out before the steps; ``False``: over the steps only, so the run
             does not depend on the machine's speed), ``bf16`` (``"auto"``, ``True`` or ``False``: bfloat16 autocast of the
             forward pass, ``wmrl.precision.resolve_bf16``; ``"auto"`` uses it only where the hardware runs
@@ -156,16 +217,23 @@ def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -
             ``out_dir/checkpoints``.
         val_dataset: optional held-out windows; their loss is reported at the end.
 
+    Resume is exact: a run killed at any moment and started again with the same arguments ends with
+    the weights of the uninterrupted run (the checkpoint carries the generator states, optimizer,
+    EMA, raw weights and recent losses). Started again after it finished, it returns the report it
+    finished with and writes nothing.
+
     Returns:
         report dict: ``steps``, ``steps_planned``, ``cut_by_budget`` (the time budget stopped it before
         ``steps_planned``), ``final_loss`` (mean of the last ``log_every`` steps), ``val_loss``,
-        ``train_time_s``, ``samples_per_s``, ``checkpoint`` (path of ``last``), ``resumed_from``,
-        ``precision`` (``wmrl.precision.Precision.as_dict()``: dtype and why).
+        ``train_time_s`` (training time over all resumed runs), ``samples_per_s`` (of this run),
+        ``checkpoint`` (path of ``last``), ``resumed_from``, ``precision``
+        (``wmrl.precision.Precision.as_dict()``: dtype and why).
 
     Raises:
         ValueError: an empty dataset, unknown options or a bad ``bf16`` setting.
         FloatingPointError: a non-finite loss.
     """
+    from wmrl.checkpoint import checkpoint_exists
     from wmrl.precision import resolve_bf16
 
     c = _cfg(cfg)
@@ -183,42 +251,43 @@ def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -
         ema = copy.deepcopy(policy).eval()
         for p in ema.parameters():
             p.requires_grad_(False)
-    start, history = 0, []
-    resumed_from = None
+    gen = torch.Generator().manual_seed(int(c["seed"]))
+    start, history, progress, resumed_from = 0, [], {}, None
     last = ckpt_root / "last"
-    from wmrl.checkpoint import checkpoint_exists, load_checkpoint, load_checkpoint_meta, load_extra_tensors
-
     if c["resume"] and checkpoint_exists(last) and (last / "meta.json").exists():
-
-        meta = load_checkpoint_meta(last)
-        loaded = load_checkpoint(last)
-        tensors = load_extra_tensors(last)
-        raw = {k[4:]: v for k, v in tensors.items() if k.startswith("raw.")}
-        policy.load_state_dict(raw if raw else loaded.state_dict())
-        if ema is not None:
-            ema.load_state_dict(loaded.state_dict())
-        _load_optimizer_state(opt, params, {k: v for k, v in tensors.items() if k.startswith("opt.")}, meta)
-        start, history = int(meta["step"]), list(meta.get("history", []))
+        start, history, progress, finished = _resume_bc(policy, ema, opt, params, gen, last, int(c["seed"]))
+        budget_spent = float(c["time_budget_s"] or 0) > 0 and progress.get("train_time_s", 0.0) > float(c["time_budget_s"])
+        if finished is not None and (start >= c["steps"] or (finished.get("cut_by_budget") and budget_spent)):
+            log.info("BC run in %s finished before (step %d): its report is returned unchanged", out_dir, start)
+            policy.eval()
+            return finished
         resumed_from = str(last)
-        log.info("resumed from %s at step %d", last, start)
 
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(out_dir / "tb"))
-    gen = torch.Generator().manual_seed(int(c["seed"]) + start)
     remaining = c["steps"] - start
-    batches = _batches(dataset, remaining, c, gen) if remaining > 0 else None
+    batches = _batches(dataset, start, c["steps"], c, gen) if remaining > 0 else None
     policy.train()
     t0 = time.time()
+    before_s = float(progress.get("train_time_s", 0.0))
+
+    def elapsed() -> float:
+        return before_s + time.time() - t0
+
     step = start
     cut_by_budget = False
-    recent: list[float] = []
+    recent: list[float] = list(progress.get("recent", []))
     done_samples = 0
+    budget = float(c["time_budget_s"] or 0.0)
+
+    def prog() -> dict:
+        return {"recent": recent, "train_time_s": elapsed(), "cut_by_budget": cut_by_budget}
+
     if batches is not None:
-        bar = tqdm(batches, total=remaining, initial=0, desc="bc", dynamic_ncols=True)
+        bar = tqdm(batches, total=c["steps"], initial=start, desc="bc", dynamic_ncols=True)
         for batch in bar:
-            budget = float(c["time_budget_s"] or 0.0)
-            lr = _lr_at(step, c, (time.time() - t0) / budget if budget > 0 and c["lr_follows_budget"] else 0.0)
+            lr = _lr_at(step, c, elapsed() / budget if budget > 0 and c["lr_follows_budget"] else 0.0)
             for g in opt.param_groups:
                 g["lr"] = lr
             with torch.autocast(device_type=policy_device_type(policy), dtype=torch.bfloat16, enabled=precision.bf16):
@@ -230,43 +299,39 @@ def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -
             gnorm = torch.nn.utils.clip_grad_norm_(params, c["grad_clip"]) if c["grad_clip"] > 0 else torch.tensor(0.0)
             opt.step()
             if ema is not None:
-                with torch.no_grad():
-                    for pe, pp in zip(ema.parameters(), policy.parameters()):
-                        pe.lerp_(pp, 1 - c["ema_decay"])
-                    for be, bp in zip(ema.buffers(), policy.buffers()):
-                        be.copy_(bp)
+                _ema_update(ema, policy, c["ema_decay"])
             step += 1
             done_samples += c["batch_size"]
             recent.append(metrics["loss"])
             recent = recent[-c["log_every"]:]
             if step % c["log_every"] == 0 or step == c["steps"]:
                 avg = sum(recent) / len(recent)
-                writer.add_scalar("bc/loss", avg, step)
-                writer.add_scalar("bc/lr", lr, step)
-                writer.add_scalar("bc/grad_norm", float(gnorm), step)
-                writer.add_scalar("bc/samples_per_s", done_samples / max(1e-9, time.time() - t0), step)
+                for k, v in (("loss", avg), ("lr", lr), ("grad_norm", float(gnorm)),
+                             ("samples_per_s", done_samples / max(1e-9, time.time() - t0))):
+                    writer.add_scalar(f"bc/{k}", v, step)
                 history.append({"step": step, "loss": avg})
                 bar.set_postfix(loss=f"{avg:.4f}", lr=f"{lr:.1e}")
-            if c["ckpt_every"] > 0 and step % c["ckpt_every"] == 0 and step < c["steps"]:
-                _save_all(policy, ema, opt, params, step, ckpt_root, history)
-            if c["time_budget_s"] > 0 and time.time() - t0 > c["time_budget_s"]:
-                if step < c["steps"]:
-                    cut_by_budget = True
-                    log.warning("time budget of %.0f s reached at step %d of %d planned: this BC run is cut short "
-                                "and not comparable with a full one", c["time_budget_s"], step, c["steps"])
+            if budget > 0 and elapsed() > budget and step < c["steps"]:
+                cut_by_budget = True
+                log.warning("time budget of %.0f s reached at step %d of %d planned: this BC run is cut short "
+                            "and not comparable with a full one", budget, step, c["steps"])
                 break
+            if c["ckpt_every"] > 0 and step % c["ckpt_every"] == 0 and step < c["steps"]:
+                _save_all(policy, ema, opt, params, step, ckpt_root, history, gen, prog())
         bar.close()
+    cut_by_budget = cut_by_budget or bool(progress.get("cut_by_budget", False))
     train_time = time.time() - t0
-    final = _save_all(policy, ema, opt, params, step, ckpt_root, history)
     report = {"steps": step, "steps_planned": c["steps"], "cut_by_budget": cut_by_budget,
               "precision": precision.as_dict(), "final_loss": (sum(recent) / len(recent)) if recent else None,
-              "train_time_s": round(train_time, 2),
+              "train_time_s": round(elapsed(), 2),
               "samples_per_s": round(done_samples / max(1e-9, train_time), 2) if done_samples else None,
-              "checkpoint": str(ckpt_root / "last"), "step_checkpoint": str(final), "resumed_from": resumed_from,
-              "num_params": sum(p.numel() for p in policy.parameters())}
+              "checkpoint": str(ckpt_root / "last"), "step_checkpoint": str(ckpt_root / f"step_{step}"),
+              "resumed_from": resumed_from, "num_params": sum(p.numel() for p in policy.parameters())}
     if val_dataset is not None and len(val_dataset) > 0:
         report["val_loss"] = evaluate_loss(ema if ema is not None else policy, val_dataset, c["batch_size"], seed=c["seed"])
         writer.add_scalar("bc/val_loss", report["val_loss"], step)
+    _save_all(policy, ema, opt, params, step, ckpt_root, history, gen, prog(),
+              report=report if step >= c["steps"] or cut_by_budget else None)
     writer.close()
     policy.eval()
     return report

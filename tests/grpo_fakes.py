@@ -85,6 +85,13 @@ class ToyReachEnv:
         return StepResult(self._obs(), reward, term, trunc, succ, steps, {"final_obs": final})
 
 
+class NoisyToyEnv(ToyReachEnv):
+    """Reward noise from a generator the env owns, declared as ``wmrl.interfaces.RandomStreams``."""
+
+    def rng_streams(self):
+        return {"reward_noise": self.gen}
+
+
 class GaussianChunkPolicy(torch.nn.Module):
     def __init__(self, chunk_size: int = 4, action_dim: int = 3, obs_dim: int = 6, init_std: float = 0.6, seed: int = 0):
         super().__init__()

@@ -32,16 +32,19 @@ Shape legend: see :mod:`wmrl.types` (``B`` slots, ``G`` group size, ``N`` chunks
 from __future__ import annotations
 
 import copy
-import time
+import logging
 import math
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from wmrl.interfaces import ChunkEnv, Policy
 from wmrl.types import Obs, PolicySample, Rollout, Start
+
+log = logging.getLogger("wmrl.grpo")
 
 # --------------------------------------------------------------------------------------------
 # Pure math
@@ -778,7 +781,7 @@ def train_grpo(policy: Policy, policy_config: dict, env: ChunkEnv, optimizer: to
                real_rollout_fn: Callable[[list[Start]], tuple[torch.Tensor, torch.Tensor]] | None = None,
                debias_starts: int = 0, debias_every: int = 1, replay_envs: Sequence[ChunkEnv] = (),
                refresh_fn: Callable[[Policy, int], dict] | None = None, refresh_every: int = 0,
-               writer=None, progress: bool = True) -> dict:
+               writer=None, progress: bool = True, rng_streams: Mapping[str, Any] | None = None) -> dict:
     """GRPO post-training: ``iterations`` times :func:`grpo_iteration` on ``starts_fn(iteration)``.
 
     Checkpoints go to ``out_dir/checkpoints/step_<n>`` and ``.../last`` (policy weights, optimizer
@@ -790,6 +793,10 @@ def train_grpo(policy: Policy, policy_config: dict, env: ChunkEnv, optimizer: to
     runs after iteration ``n`` whenever ``n % refresh_every == 0`` and ``n < iterations``, before the
     checkpoint of ``n`` is written; its returned scalars join that iteration's history entry. It
     must restore its own state on resume (the refresher reloads its last round).
+    ``rng_streams``: the generators the environments and rollout functions draw from between
+    iterations (``wmrl.interfaces.RandomStreams``; e.g. the imagination env's sampling generator),
+    saved with every checkpoint and restored with the loop's own and the process-wide ones
+    (``wmrl.rng``), so a resumed run is bitwise the uninterrupted one.
 
     Returns ``{"history": [per-iteration stats], "evals": [{"iteration", ...}], "iterations",
     "checkpoint", "resumed_from"}``.
@@ -797,6 +804,7 @@ def train_grpo(policy: Policy, policy_config: dict, env: ChunkEnv, optimizer: to
     from pathlib import Path
 
     from wmrl.checkpoint import checkpoint_exists, load_checkpoint_meta, load_extra_tensors, save_checkpoint, verify_checkpoint
+    from wmrl.rng import capture_rng, restore_rng
 
     out_dir = Path(out_dir)
     ck_dir = out_dir / "checkpoints"
@@ -815,6 +823,13 @@ def train_grpo(policy: Policy, policy_config: dict, env: ChunkEnv, optimizer: to
         extra = load_extra_tensors(last)
         optimizer_from_tensors(optimizer, extra, meta["optimizer"])
         gen.set_state(extra["rng/torch"])
+        if "rng" in meta:
+            missing = restore_rng(extra, meta["rng"], rng_streams)
+            if missing:
+                log.warning("%s has no saved state for the RNG stream(s) %s: they continue from their seeds", last, missing)
+        else:
+            log.warning("%s was written by an older wmrl without the environments' RNG states: the resumed run "
+                        "is not bitwise the uninterrupted one", last)
         history, evals = meta["history"], meta["evals"]
         start_it = int(meta["iteration"])
         if debiaser is not None and "debiaser" in meta:
@@ -833,14 +848,17 @@ def train_grpo(policy: Policy, policy_config: dict, env: ChunkEnv, optimizer: to
     def _save(n: int) -> None:
         tensors, ometa = optimizer_to_tensors(optimizer)
         tensors["rng/torch"] = gen.get_state()
-        meta = {"iteration": n, "history": history, "evals": evals, "optimizer": ometa}
+        rng_tensors, rng_meta = capture_rng(rng_streams)
+        tensors.update(rng_tensors)
+        meta = {"iteration": n, "history": history, "evals": evals, "optimizer": ometa, "rng": rng_meta}
         if debiaser is not None:
             meta["debiaser"] = debiaser.state_dict()
         save_checkpoint(policy, last, policy_config, extra_tensors=tensors, meta=meta)  # type: ignore[arg-type]
         if checkpoint_every and n % checkpoint_every == 0:
             save_checkpoint(policy, ck_dir / f"step_{n}", policy_config)  # type: ignore[arg-type]
 
-    _eval(start_it)
+    if start_it == 0:   # a resumed run has the evaluations of its iterations in the checkpoint
+        _eval(0)
     its = range(start_it, iterations)
     if progress:
         from tqdm import tqdm

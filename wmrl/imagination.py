@@ -163,6 +163,10 @@ class ImaginationEnv:
         self._state = self.world_model.init(obs)
         return obs
 
+    def rng_streams(self) -> dict[str, torch.Generator]:
+        """``wmrl.interfaces.RandomStreams``: the world model's sampling generator (none when unseeded)."""
+        return {} if self.generator is None else {"imagination": self.generator}
+
     def reset(self, starts: list[Start]) -> Obs:
         """Reset every slot to ``starts[i]`` (each needs ``context`` frames). Raises ``ValueError``
         when ``len(starts) != num_envs`` or a start has no context."""

@@ -84,3 +84,13 @@ class Transport(Protocol):
 
     def close(self) -> None:
         ...
+
+
+@runtime_checkable
+class RandomStreams(Protocol):
+    """Capability: an object that draws from generators of its own (e.g. ``ImaginationEnv``'s
+    sampling generator) declares them, so a trainer's checkpoint saves and restores them
+    (``wmrl.rng``) and a resumed run continues the uninterrupted one bit for bit."""
+
+    def rng_streams(self) -> dict[str, Any]:
+        """Name (no ``/``) -> ``torch.Generator`` or ``numpy.random.Generator``, the live objects."""

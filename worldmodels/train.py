@@ -75,9 +75,19 @@ def lr_at(step: int, total: int, lr: float, warmup: int, time_frac: float = 0.0)
 
 
 def _save(model, config: dict, opt, step: int, rng: np.random.Generator, out_dir: Path, tag: str | None,
-          extra_meta: dict | None = None) -> Path:
-    tens, meta = optimizer_tensors(opt)
-    meta = {"step": step, "optimizer": meta, "rng": rng.bit_generator.state, **(extra_meta or {})}
+          gen: torch.Generator | None = None, progress: dict | None = None, report: dict | None = None) -> Path:
+    """Write ``last`` (and ``tag``) with everything an exact resume needs: optimizer, the numpy window
+    generator ``rng``, the torch noise generator ``gen`` and the process-wide RNGs (``wmrl.rng``), the
+    recent losses and elapsed budget time (``progress``); the final checkpoint also carries ``report``."""
+    from wmrl.rng import capture_rng
+
+    tens, ometa = optimizer_tensors(opt)
+    rng_tensors, rng_meta = capture_rng({"noise": gen} if gen is not None else {})
+    tens.update(rng_tensors)
+    meta = {"step": step, "optimizer": ometa, "rng": rng.bit_generator.state, "rng_streams": rng_meta,
+            "progress": progress or {}}
+    if report is not None:
+        meta["report"] = report
     meta = json.loads(json.dumps(meta, default=float))
     ck = out_dir / "checkpoints"
     last = save_checkpoint(model, ck / "last", config, extra_tensors=tens, meta=meta)
@@ -86,17 +96,63 @@ def _save(model, config: dict, opt, step: int, rng: np.random.Generator, out_dir
     return last
 
 
-def _resume(out_dir: Path, opt_factory):
+class Resumed:
+    """What :func:`_resume` read from ``last``: model, optimizer, step, the window generator ``rng``,
+    ``progress`` (recent losses, elapsed budget time), the finished run's ``report`` (or ``None``),
+    and the saved RNG state for :meth:`restore_noise`."""
+
+    def __init__(self, model, opt, step: int, rng: np.random.Generator, meta: dict, rng_tensors: dict, where: Path):
+        self.model, self.opt, self.step, self.rng = model, opt, step, rng
+        self.progress = dict(meta.get("progress", {}))
+        self.report = meta.get("report")
+        self._meta, self._tensors, self.where = meta, rng_tensors, where
+
+    def restore_noise(self, gen: torch.Generator | None, seed: int) -> None:
+        """Put the saved noise generator ``gen`` (if the loop has one) and the process-wide RNGs back;
+        a checkpoint of an older wmrl without them re-seeds ``gen`` (``seed + step``) and says the
+        resume is not exact."""
+        from wmrl.rng import restore_rng
+
+        if "rng_streams" in self._meta:
+            restore_rng(self._tensors, self._meta["rng_streams"], {"noise": gen} if gen is not None else {})
+            return
+        if gen is not None:
+            gen.manual_seed(seed + self.step)
+        log.warning("%s was written by an older wmrl without its RNG states: the resumed run is not bitwise the "
+                    "uninterrupted one", self.where)
+
+    def finished(self, steps: int, max_minutes: float | None) -> dict | None:
+        """The report of a run that already ended (all ``steps``, or cut by a budget already spent)."""
+        if self.report is None:
+            return None
+        spent = max_minutes is not None and float(self.progress.get("elapsed_s", 0.0)) > 60 * max_minutes
+        return self.report if self.step >= steps or (self.report.get("cut_by_budget") and spent) else None
+
+
+def _resume(out_dir: Path, opt_factory, model: torch.nn.Module) -> Resumed | None:
+    """Load ``out_dir/checkpoints/last`` into ``model`` (in place, so the caller's object holds the
+    weights) and a new optimizer; ``None`` when there is no checkpoint.
+
+    Raises:
+        RuntimeError: the checkpoint's weights do not fit ``model`` (another architecture).
+    """
+    from wmrl.rng import split_rng_tensors
+
     last = out_dir / "checkpoints" / "last"
     if not checkpoint_exists(last):
         return None
-    model = load_checkpoint(last)
+    try:
+        model.load_state_dict(load_checkpoint(last).state_dict())
+    except RuntimeError as e:
+        raise RuntimeError(f"{last} does not fit this {type(model).__name__} (another architecture? start a new "
+                           f"run directory or pass resume=false): {e}") from None
     opt = opt_factory(model)
     meta = load_checkpoint_meta(last)
-    load_optimizer_tensors(opt, load_extra_tensors(last), meta["optimizer"])
+    rng_tensors, tensors = split_rng_tensors(load_extra_tensors(last))
+    load_optimizer_tensors(opt, tensors, meta["optimizer"])
     rng = np.random.default_rng()
     rng.bit_generator.state = meta["rng"]
-    return model, opt, int(meta["step"]), rng
+    return Resumed(model, opt, int(meta["step"]), rng, meta, rng_tensors, last)
 
 
 class BudgetClock:
@@ -107,20 +163,26 @@ class BudgetClock:
     other jobs share the CPU; spin-waiting under contention still counts, so it is conservative).
     """
 
-    def __init__(self, kind: str = "wall"):
+    def __init__(self, kind: str = "wall", before: dict | None = None):
         if kind not in ("wall", "process"):
             raise ValueError(f"budget_clock must be 'wall' or 'process', got {kind!r}")
         self.kind = kind
         self.w0, self.p0 = time.time(), time.process_time()
+        before = before or {}
+        self.wall_before, self.process_before = float(before.get("wall_s", 0.0)), float(before.get("process_s", 0.0))
 
     def wall(self) -> float:
-        return time.time() - self.w0
+        return self.wall_before + time.time() - self.w0
 
     def process(self) -> float:
-        return (time.process_time() - self.p0) / max(1, torch.get_num_threads())
+        return self.process_before + (time.process_time() - self.p0) / max(1, torch.get_num_threads())
 
     def elapsed(self) -> float:
         return self.wall() if self.kind == "wall" else self.process()
+
+    def state(self) -> dict:
+        """Elapsed seconds so far (this run plus ``before``), to carry over a resume."""
+        return {"wall_s": self.wall(), "process_s": self.process(), "elapsed_s": self.elapsed()}
 
 
 def _warn_if_cut(what: str, stopped_by_time: bool, step: int, steps: int, max_minutes: float | None) -> bool:
@@ -227,19 +289,24 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
     def make_opt(m):
         return torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=weight_decay)
 
-    resumed = _resume(out_dir, make_opt) if resume else None
+    resumed = _resume(out_dir, make_opt, model) if resume else None
+    gen = torch.Generator().manual_seed(seed)
     if resumed is not None:
-        model, opt, step, rng = resumed
+        model, opt, step, rng = resumed.model, resumed.opt, resumed.step, resumed.rng
+        if (done := resumed.finished(steps, max_minutes)) is not None:
+            log.info("world model in %s finished before (step %d): its report is returned unchanged", out_dir, step)
+            return done
+        resumed.restore_noise(gen, seed)
     else:
         if fit_stats:
             fit_world_model_stats(model, train)
         opt, step, rng = make_opt(model), 0, np.random.default_rng(seed)
     start_step = step
-    gen = torch.Generator().manual_seed(seed + step)
     writer = _writer(out_dir, tensorboard)
-    clock = BudgetClock(budget_clock)
+    before = resumed.progress if resumed is not None else {}
+    clock = BudgetClock(budget_clock, before.get("clock"))
     model.train()
-    hist: list[float] = []
+    hist: list[float] = list(before.get("recent", []))
     bar = tqdm(total=steps, initial=step, desc="train world model", disable=not progress, dynamic_ncols=True)
     stopped_by_time = False
     while step < steps:
@@ -273,8 +340,10 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
             vid = side_by_side_video(model, heldout, 0, video_chunks, out_dir / "videos" / f"step_{step:06d}.mp4")
             writer.add_images("heldout/real_vs_imagined", torch.from_numpy(vid).permute(0, 3, 1, 2), step)
             model.train()
-        if step % checkpoint_every == 0 or step == steps or over:
-            _save(model, model_config, opt, step, rng, out_dir, f"step_{step:06d}")
+        hist = hist[-log_every:]
+        if step % checkpoint_every == 0 and not (step == steps or over):
+            _save(model, model_config, opt, step, rng, out_dir, f"step_{step:06d}", gen,
+                  {"recent": hist, "clock": clock.state()})
         if over:
             stopped_by_time = True
             break
@@ -293,6 +362,9 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
     if heldout is not None:
         p_model, p_copy = one_chunk_psnr(model, heldout)
         report.update(heldout_psnr_1chunk=p_model, heldout_psnr_copy_1chunk=p_copy)
+    if step > start_step:
+        _save(model, model_config, opt, step, rng, out_dir, f"step_{step:06d}", gen,
+              {"recent": hist, "clock": clock.state()}, report=report)
     return report
 
 
@@ -389,18 +461,23 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
     def make_opt(m):
         return torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=weight_decay)
 
-    resumed = _resume(out_dir, make_opt) if resume else None
+    resumed = _resume(out_dir, make_opt, critic) if resume else None
     if resumed is not None:
-        critic, opt, step, rng = resumed
+        critic, opt, step, rng = resumed.model, resumed.opt, resumed.step, resumed.rng
+        if (done := resumed.finished(steps, max_minutes)) is not None:
+            log.info("critic in %s finished before (step %d): its report is returned unchanged", out_dir, step)
+            return done
+        resumed.restore_noise(None, seed)
     else:
         if critic.use_proprio and fit_stats:
             critic.set_norm_stats(torch.from_numpy(train.proprio))
         opt, step, rng = make_opt(critic), 0, np.random.default_rng(seed)
     start_step = step
     writer = _writer(out_dir, tensorboard)
-    clock = BudgetClock(budget_clock)
+    before = resumed.progress if resumed is not None else {}
+    clock = BudgetClock(budget_clock, before.get("clock"))
     critic.train()
-    hist: list[float] = []
+    hist: list[float] = list(before.get("recent", []))
     bar = tqdm(total=steps, initial=step, desc="train critic", disable=not progress, dynamic_ncols=True)
     stopped_by_time = False
     while step < steps:
@@ -441,8 +518,10 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
             if au["auroc"] is not None:
                 writer.add_scalar("heldout/auroc", au["auroc"], step)
             critic.train()
-        if step % checkpoint_every == 0 or step == steps or over:
-            _save(critic, critic_config, opt, step, rng, out_dir, f"step_{step:06d}")
+        hist = hist[-log_every:]
+        if (step % checkpoint_every == 0) and not (step == steps or over):
+            _save(critic, critic_config, opt, step, rng, out_dir, f"step_{step:06d}", None,
+                  {"recent": hist, "clock": clock.state()})
         if over:
             stopped_by_time = True
             break
@@ -462,4 +541,7 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
               "checkpoint": str(out_dir / "checkpoints" / "last")}
     if heldout is not None:
         report["heldout"] = critic_auroc(critic, heldout)
+    if step > start_step:
+        _save(critic, critic_config, opt, step, rng, out_dir, f"step_{step:06d}", None,
+              {"recent": hist, "clock": clock.state()}, report=report)
     return report

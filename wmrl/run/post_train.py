@@ -30,6 +30,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from wmrl import grpo
+from wmrl.interfaces import RandomStreams
 from wmrl.run.common import RunContext, run_main
 from wmrl.types import Start
 
@@ -377,6 +378,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         log.info("iteration %d: real-sim success %.3f %s", n, r["success"], {k: v["success"] for k, v in r["per_task"].items()})
         return r
 
+    # generators the loop's envs and rollout functions own: saved with every checkpoint (exact resume)
+    streams: dict[str, Any] = {}
     # mitigations
     mit = cfg.get("mitigations") or {}
     deb = _maybe(mit, "debias")
@@ -390,8 +393,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         else:
             raise ValueError("mitigations.debias.enabled needs a real sim: a suite or mitigations.debias.env")
         debiaser = grpo.OnlineDebiaser(momentum=float(deb.momentum))
+        streams["debias"] = torch.Generator().manual_seed(int(cfg.seed) + 17)
         real_fn = grpo.real_rollout_fn_for(real_env, policy, gcfg, rollouts_per_start=int(deb.rollouts_per_start),
-                                           generator=torch.Generator().manual_seed(int(cfg.seed) + 17))
+                                           generator=streams["debias"])
         debias_starts = int(deb.starts)
     den = _maybe(mit, "denoise")
     replay_envs = []
@@ -400,6 +404,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
             replay_envs.append(build_env(cfg.env, suite, seed=int(cfg.seed) + 1000 + s, device=str(cfg.device)))
 
     refresher = _maybe_refresher(cfg, ctx, env, suite, tasks, n_init, replay_envs)
+    for name, e in [("env", env)] + [(f"replay{i}", e) for i, e in enumerate(replay_envs)]:
+        if isinstance(e, RandomStreams):
+            streams.update({f"{name}.{k}": g for k, g in e.rng_streams().items()})
 
     params = trainable_parameters(policy, cfg.get("trainable"))
     optimizer = torch.optim.Adam(params, lr=float(cfg.lr))
@@ -414,7 +421,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
                           seed=int(cfg.seed), debiaser=debiaser, real_rollout_fn=real_fn, debias_starts=debias_starts,
                           debias_every=int(_maybe(deb, "every", 1) or 1), replay_envs=replay_envs,
                           refresh_fn=refresher, refresh_every=int(cfg.refresh.every) if refresher is not None else 0,
-                          writer=writer, progress=bool(cfg.get("progress", True)))
+                          writer=writer, progress=bool(cfg.get("progress", True)), rng_streams=streams)
     if writer is not None:
         writer.close()
     evals = out["evals"]

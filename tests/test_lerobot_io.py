@@ -183,6 +183,19 @@ def test_export_refuses_existing_out_and_keeps_it(exported, tmp_path):
     assert (out / "keep").read_text() == "x" and not (tmp_path / "new").exists()
 
 
+def test_export_removes_partial_folders_of_killed_exports(exported, tmp_path):
+    from wmrl.storage.lerobot_io import export_lerobot
+
+    store, _, _ = exported
+    dead = tmp_path / f".ds.partial-{2 ** 22 + 12345}"                # pid beyond pid_max: a killed export
+    (dead / "meta").mkdir(parents=True)
+    live = tmp_path / f".ds.partial-{os.getppid()}"                   # a running process's export: kept
+    live.mkdir()
+    export_lerobot(store, tmp_path / "ds", repo_id="local/x", episodes=[0], progress=False)
+    assert not dead.exists() and live.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "ds"])
+
+
 @pytest.mark.slow
 def test_lift_store_export_import_roundtrip(shared_data, tmp_path):
     """Acceptance: `wmrl import` lift demo.hdf5 -> `wmrl export` -> LeRobotDataset loads it offline ->

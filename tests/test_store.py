@@ -269,6 +269,61 @@ def test_sigkill_at_a_random_moment_of_a_big_append(tmp_path):
     assert EpisodeStore.open(s.path).lengths[-1] == 3
 
 
+_IMPORT_CHILD = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from wmrl.run.import_data import write_store
+    from wmrl.storage.synthetic import random_episode
+    from wmrl.types import PANDA_OSC_POSE
+    def episodes():
+        yield random_episode(4, {}, seed=0)
+        print("PARTIAL", flush=True)  # the first episode is in the partial store; never finish
+        time.sleep(600)
+        yield random_episode(4, {}, seed=1)
+    kw = dict(cameras={}, state_dim=9, action_dim=7, fps=20, action_space=PANDA_OSC_POSE, durable=False)
+    write_store(Path(sys.argv[1]), episodes(), kw, False)
+""")
+
+
+def test_a_killed_import_leaves_a_partial_folder_that_the_next_import_removes(tmp_path):
+    """`wmrl import` builds `.<out>.partial-<pid>` and renames it; a SIGKILL leaves the folder. The
+    next import to the same out removes the partial folders of dead processes, not of live ones."""
+    from wmrl.run.import_data import write_store
+
+    out = tmp_path / "imported"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", _IMPORT_CHILD, str(out)], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        _wait_for(proc, "PARTIAL")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        killed = tmp_path / f".imported.partial-{proc.pid}"
+        assert killed.is_dir() and not out.exists()                   # what the kill leaves
+        busy = tmp_path / f".imported.partial-{live.pid}"              # another import still running
+        busy.mkdir()
+        dead = tmp_path / f".imported.partial-{2 ** 22 + 12345}"       # pid beyond pid_max: never running
+        dead.mkdir()
+        other = tmp_path / f".other.partial-{2 ** 22 + 12345}"         # a partial of another out: not ours
+        other.mkdir()
+        eps = [random_episode(3, {}, seed=s) for s in (5, 6)]
+        kw = dict(cameras={}, state_dim=9, action_dim=7, fps=20, action_space=PANDA_OSC_POSE, durable=False)
+        lengths, _ = write_store(out, iter(eps), kw, False)
+        assert lengths == [3, 3]
+        assert not killed.exists() and not dead.exists()
+        assert busy.is_dir() and other.is_dir()
+        back = EpisodeStore.open(out)
+        for i, e in enumerate(eps):
+            assert_episode_equal(back.episode(i), e)
+    finally:
+        for p in (proc, live):
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([busy.name, other.name, "imported"])
+
+
 # ---------------------------------------------------------------------- bad input
 def _bad(kind: str):
     e = random_episode(6, CAMS, seed=11)

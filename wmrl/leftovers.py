@@ -11,10 +11,13 @@ running (a folder of a live process is another writer's work in progress and is 
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+
+log = logging.getLogger("wmrl.leftovers")
 
 
 def pid_alive(pid: int) -> bool:
@@ -71,4 +74,21 @@ def remove_dead_writer_leftovers(target: str | os.PathLike, kinds: Iterable[str]
         else:
             p.unlink(missing_ok=True)
         removed.append(p)
+        log.warning("removed %s, left by a killed writer of %s", p, target)
     return removed
+
+
+def temp_sibling(target: str | os.PathLike, kind: str) -> Path:
+    """The folder ``.<target name>.<kind>-<our pid>`` in which to build ``target`` before renaming it
+    into place, cleared first: the leftovers of that kind of dead writers of ``target`` are removed
+    (:func:`remove_dead_writer_leftovers`) and so is an earlier one of ours. The parent folder is
+    created; the returned folder itself does not exist."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_writer_leftovers(target, (kind,))
+    tmp = target.with_name(f".{target.name}.{kind}-{os.getpid()}")
+    if tmp.is_dir() and not tmp.is_symlink():
+        shutil.rmtree(tmp)
+    elif tmp.exists() or tmp.is_symlink():
+        tmp.unlink()
+    return tmp

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from wmrl.leftovers import temp_sibling
 from wmrl.types import ActionSpace, Episode
 
 SUPPORTED_CODEBASE_VERSIONS = ("v3.0",)
@@ -96,9 +97,10 @@ def export_lerobot(store, out: str | os.PathLike, repo_id: str = "local/wmrl", o
                    episodes: Sequence[int] | None = None, progress: bool = True) -> dict:
     """Write an EpisodeStore as a LeRobotDataset v3 folder.
 
-    The dataset is built in a temporary sibling folder and renamed into place when complete, so
-    ``out`` is never left half-written (and an existing ``out`` is only replaced, with
-    ``overwrite=True``, once the new one is finished).
+    The dataset is built in a temporary sibling folder (``.<name>.partial-<pid>``) and renamed into
+    place when complete, so ``out`` is never left half-written (and an existing ``out`` is only
+    replaced, with ``overwrite=True``, once the new one is finished). Partial folders of exports to
+    ``out`` whose process is gone (killed with SIGKILL) are removed first.
 
     Args:
         store: an open :class:`wmrl.storage.EpisodeStore`.
@@ -129,10 +131,7 @@ def export_lerobot(store, out: str | os.PathLike, repo_id: str = "local/wmrl", o
     first = store.episode(idx[0], images=False)
     sim_dim = None if first.sim_states is None else int(first.sim_states.shape[1])
     features = lerobot_features(meta, sim_dim)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_sibling(out, "partial")
     lengths = store.lengths
     total = int(sum(int(lengths[i]) for i in idx))
     ep_meta = []

@@ -21,6 +21,7 @@ from wmrl.storage import (
     EpisodeStore,
     EpisodeValidationError,
     StoreError,
+    StoreExistsError,
     StoreFormatError,
     WindowDataset,
     masked_mse,
@@ -430,12 +431,63 @@ def test_unknown_format_version_and_corrupt_index(store):
 
 def test_open_or_create(tmp_path):
     kw = dict(cameras=CAMS, state_dim=9, action_dim=7, fps=20, action_space=PANDA_OSC_POSE)
+    killed = tmp_path / f".s.creating-{2 ** 22 + 12345}"             # a creator killed mid-way (dead pid)
+    killed.mkdir()
     s = EpisodeStore.open_or_create(tmp_path / "s", **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+    with pytest.raises(StoreExistsError, match="already exists"):
+        EpisodeStore.create(tmp_path / "s", **kw)
     s.append(random_episode(3, CAMS))
     s2 = EpisodeStore.open_or_create(tmp_path / "s", **kw)
     assert len(s2) == 1 and s2.mode == "a"
     with pytest.raises(StoreError, match="state_dim"):
         EpisodeStore.open_or_create(tmp_path / "s", **{**kw, "state_dim": 8})
+
+
+RACE_PROCESSES, RACE_TRIALS = 8, 6
+
+
+def _open_or_create_racer(barrier, paths, results, rank):
+    """One of the processes racing `open_or_create` (module level: spawned processes import it). For
+    each path it waits for all racers, then opens or creates the store and appends one episode."""
+    asp = ActionSpace(dim=2, controller="JOINT_VELOCITY")
+    for k, path in enumerate(paths):
+        barrier.wait(120)
+        try:
+            s = EpisodeStore.open_or_create(path, cameras={}, state_dim=3, action_dim=2, fps=10, action_space=asp,
+                                            durable=False)
+            s.append(random_episode(2, {}, state_dim=3, action_dim=2, seed=rank))
+            results.put((k, rank, "ok"))
+        except Exception as e:  # noqa: BLE001 - the test reports every kind
+            results.put((k, rank, f"{type(e).__module__}.{type(e).__name__}: {e}"))
+
+
+def test_processes_racing_open_or_create_share_one_store(tmp_path):
+    """8 processes call open_or_create on one new path at once (several trials): every one gets the
+    same valid store, so their 8 appended episodes are all in it, and no temporary folder is left."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(RACE_PROCESSES), ctx.Queue()
+    paths = [str(tmp_path / f"s{k}") for k in range(RACE_TRIALS)]
+    procs = [ctx.Process(target=_open_or_create_racer, args=(barrier, paths, results, r))
+             for r in range(RACE_PROCESSES)]
+    for p in procs:
+        p.start()
+    try:
+        got = [results.get(timeout=300) for _ in range(RACE_PROCESSES * RACE_TRIALS)]
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    failed = sorted({k for k, _, r in got if r != "ok"})
+    assert not failed, (f"{len(failed)}/{RACE_TRIALS} trials failed: "
+                        f"{sorted({r for _, _, r in got if r != 'ok'})[:4]}")
+    for path in paths:
+        s = EpisodeStore.open(path)
+        assert len(s) == RACE_PROCESSES and s.lengths.tolist() == [2] * RACE_PROCESSES
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"s{k}" for k in range(RACE_TRIALS))
 
 
 def test_stats_from_store(tmp_path):

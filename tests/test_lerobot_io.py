@@ -234,14 +234,14 @@ def _shift_parquet(path: Path, column: str, rows, delta: float) -> None:
     pq.write_table(table.set_column(i, table.schema.field(i), pa.array(x, type=table.schema.field(i).type)), path)
 
 
-def test_video_dataset_with_a_late_last_frame_imports_the_same_frames(tmp_path):
+def test_video_dataset_with_a_late_last_frame_imports_the_same_frames(tmp_path, monkeypatch):
     """Real clocks stamp a last frame 0.5 ms past t / fps; lerobot's 0.1 ms tolerance on the recorded
     timestamps rejects it. Import reads frames by index: the late dataset gives the frames and
     actions of the unmodified one, which are lerobot's own frames; a video short of a frame fails."""
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
     from wmrl.run.import_data import run
-    from wmrl.storage import EpisodeStore
+    from wmrl.storage import EpisodeStore, lerobot_io
     from wmrl.storage.lerobot_io import LeRobotFormatError, inspect_lerobot, read_lerobot
 
     frames = make_video_dataset(tmp_path / "exact")
@@ -250,6 +250,7 @@ def test_video_dataset_with_a_late_last_frame_imports_the_same_frames(tmp_path):
     late_ts = LeRobotDataset("local/video", root=tmp_path / "late").hf_dataset["timestamp"]
     assert abs(float(late_ts[8]) - 0.4005) < 1e-6 and abs(float(late_ts[3]) - 0.3005) < 1e-6
     asp = {"controller": "JOINT_VELOCITY", "mode": "absolute", "dim": 2}
+    monkeypatch.setattr(lerobot_io, "VIDEO_DECODE_CHUNK", 3)           # episodes of 4, 5 frames span chunks
     for name in ("exact", "late"):
         cfg = cfg_of("import", source=str(tmp_path / name), out=str(tmp_path / f"{name}_store"), action_space=asp)
         assert run(cfg, RunContext(cfg, out_dir=tmp_path / f"run_{name}"))["lengths"] == [4, 5]

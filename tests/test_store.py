@@ -287,7 +287,7 @@ _IMPORT_CHILD = textwrap.dedent("""
 
 
 def test_a_killed_import_leaves_a_partial_folder_that_the_next_import_removes(tmp_path):
-    """`wmrl import` builds `.<out>.partial-<pid>` and renames it; a SIGKILL leaves the folder. The
+    """`wmrl import` builds `.<out>.partial-<pid>-<thread>` and renames it; a SIGKILL leaves the folder. The
     next import to the same out removes the partial folders of dead processes, not of live ones."""
     from wmrl.run.import_data import write_store
 
@@ -300,11 +300,13 @@ def test_a_killed_import_leaves_a_partial_folder_that_the_next_import_removes(tm
         _wait_for(proc, "PARTIAL")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
-        killed = tmp_path / f".imported.partial-{proc.pid}"
+        (killed,) = tmp_path.glob(f".imported.partial-{proc.pid}-*")
         assert killed.is_dir() and not out.exists()                   # what the kill leaves
-        busy = tmp_path / f".imported.partial-{live.pid}"              # another import still running
+        busy = tmp_path / f".imported.partial-{live.pid}-{live.pid}"   # another import still running
         busy.mkdir()
         dead = tmp_path / f".imported.partial-{2 ** 22 + 12345}"       # pid beyond pid_max: never running
+        dead_thread = tmp_path / f".imported.partial-{2 ** 22 + 12345}-7"
+        dead_thread.mkdir()
         dead.mkdir()
         other = tmp_path / f".other.partial-{2 ** 22 + 12345}"         # a partial of another out: not ours
         other.mkdir()
@@ -312,7 +314,7 @@ def test_a_killed_import_leaves_a_partial_folder_that_the_next_import_removes(tm
         kw = dict(cameras={}, state_dim=9, action_dim=7, fps=20, action_space=PANDA_OSC_POSE, durable=False)
         lengths, _ = write_store(out, iter(eps), kw, False)
         assert lengths == [3, 3]
-        assert not killed.exists() and not dead.exists()
+        assert not killed.exists() and not dead.exists() and not dead_thread.exists()
         assert busy.is_dir() and other.is_dir()
         back = EpisodeStore.open(out)
         for i, e in enumerate(eps):
@@ -487,6 +489,33 @@ def test_processes_racing_open_or_create_share_one_store(tmp_path):
     for path in paths:
         s = EpisodeStore.open(path)
         assert len(s) == RACE_PROCESSES and s.lengths.tolist() == [2] * RACE_PROCESSES
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"s{k}" for k in range(RACE_TRIALS))
+
+
+def test_threads_racing_open_or_create_share_one_store(tmp_path):
+    """The same race between 8 threads of one process (each builds in its own temporary folder)."""
+    import threading
+
+    asp = ActionSpace(dim=2, controller="JOINT_VELOCITY")
+    for k in range(RACE_TRIALS):
+        barrier, errors = threading.Barrier(RACE_PROCESSES), []
+
+        def racer(rank, path=tmp_path / f"s{k}", barrier=barrier, errors=errors):
+            barrier.wait(60)
+            try:
+                s = EpisodeStore.open_or_create(path, cameras={}, state_dim=3, action_dim=2, fps=10,
+                                                action_space=asp, durable=False)
+                s.append(random_episode(2, {}, state_dim=3, action_dim=2, seed=rank))
+            except Exception as e:  # noqa: BLE001 - the test reports every kind
+                errors.append(f"{type(e).__module__}.{type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=racer, args=(r,)) for r in range(RACE_PROCESSES)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, f"trial {k}: {errors[:3]}"
+        assert len(EpisodeStore.open(tmp_path / f"s{k}")) == RACE_PROCESSES
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"s{k}" for k in range(RACE_TRIALS))
 
 

@@ -1,8 +1,9 @@
 """Temporary folders left behind by killed writers.
 
 wmrl writes a folder ``target`` atomically by building it in a hidden sibling named
-``.<target name>.<kind>-<pid>`` (``kind`` e.g. ``tmp`` or ``old`` for checkpoints, ``partial`` for
-imports and exports, ``creating`` for a new EpisodeStore) and renaming it into place. A writer
+``.<target name>.<kind>-<pid>`` or ``.<target name>.<kind>-<pid>-<thread id>`` (``kind`` e.g.
+``tmp`` or ``old`` for checkpoints, ``partial`` for imports and exports, ``creating`` for a new
+EpisodeStore; the thread id keeps threads of one process apart) and renaming it into place. A writer
 killed with ``SIGKILL`` never reaches its clean-up, so the sibling stays; the next writer of the
 same target finds it here by its name and removes it when the process ``<pid>`` is no longer
 running (a folder of a live process is another writer's work in progress and is left alone).
@@ -14,6 +15,7 @@ import glob
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,7 +36,8 @@ def pid_alive(pid: int) -> bool:
 
 def dead_writer_leftovers(target: str | os.PathLike, kinds: Iterable[str],
                           own_are_leftovers: bool = False) -> list[tuple[str, Path]]:
-    """The siblings ``.<target name>.<kind>-<pid>`` of ``target`` whose writer is not running.
+    """The siblings ``.<target name>.<kind>-<pid>[-<thread id>]`` of ``target`` whose writer is not
+    running.
 
     Args:
         target: the folder the writers build (it need not exist; its parent may be missing).
@@ -52,8 +55,9 @@ def dead_writer_leftovers(target: str | os.PathLike, kinds: Iterable[str],
         return []
     out = []
     for p in target.parent.glob(f".{glob.escape(target.name)}.*-*"):
-        kind, _, pid = p.name[len(target.name) + 2:].partition("-")
-        if kind not in kinds or not pid.isdigit():
+        kind, _, rest = p.name[len(target.name) + 2:].partition("-")
+        pid, _, thread = rest.partition("-")
+        if kind not in kinds or not pid.isdigit() or not (thread == "" or thread.isdigit()):
             continue
         if int(pid) == os.getpid():
             if own_are_leftovers:
@@ -79,14 +83,15 @@ def remove_dead_writer_leftovers(target: str | os.PathLike, kinds: Iterable[str]
 
 
 def temp_sibling(target: str | os.PathLike, kind: str) -> Path:
-    """The folder ``.<target name>.<kind>-<our pid>`` in which to build ``target`` before renaming it
-    into place, cleared first: the leftovers of that kind of dead writers of ``target`` are removed
-    (:func:`remove_dead_writer_leftovers`) and so is an earlier one of ours. The parent folder is
-    created; the returned folder itself does not exist."""
+    """The folder ``.<target name>.<kind>-<our pid>-<our thread id>`` in which to build ``target``
+    before renaming it into place (so that threads and processes writing one target at once never
+    share it), cleared first: the leftovers of that kind of dead writers of ``target`` are removed
+    (:func:`remove_dead_writer_leftovers`) and so is an earlier one of this thread. The parent folder
+    is created; the returned folder itself does not exist."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_writer_leftovers(target, (kind,))
-    tmp = target.with_name(f".{target.name}.{kind}-{os.getpid()}")
+    tmp = target.with_name(f".{target.name}.{kind}-{os.getpid()}-{threading.get_native_id()}")
     if tmp.is_dir() and not tmp.is_symlink():
         shutil.rmtree(tmp)
     elif tmp.exists() or tmp.is_symlink():

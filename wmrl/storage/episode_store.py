@@ -20,9 +20,9 @@ included) leaves every earlier episode readable and the store shows only complet
 orphan group of the killed append is removed by the next append. Appends take an exclusive
 ``fcntl`` lock on ``PATH/.append.lock``, so several processes may append to one store; any number
 of readers may open it meanwhile (call :meth:`EpisodeStore.refresh` to see newer episodes). A new
-store is built in a hidden sibling ``.<name>.creating-<pid>`` and renamed to ``PATH`` when complete,
-so ``PATH`` is a whole store or absent, and processes racing :meth:`EpisodeStore.open_or_create` on
-one new path end with one store that they all append to.
+store is built in a hidden sibling ``.<name>.creating-<pid>-<thread>`` and renamed to ``PATH`` when complete,
+so ``PATH`` is a whole store or absent, and processes (or threads) racing
+:meth:`EpisodeStore.open_or_create` on one new path end with one store that they all append to.
 """
 
 from __future__ import annotations
@@ -144,10 +144,10 @@ class EpisodeStore:
                durable: bool = True) -> "EpisodeStore":
         """Create an empty store (opened in mode ``"a"``).
 
-        The store is built in a hidden sibling folder ``.<name>.creating-<pid>`` and renamed to
+        The store is built in a hidden sibling folder ``.<name>.creating-<pid>-<thread>`` and renamed to
         ``path`` when complete, so ``path`` appears whole or not at all: a process that opens it
-        never finds a half-made store, and of several processes creating one path at once exactly
-        one succeeds (the others get :class:`StoreExistsError`). Sibling folders left by creators
+        never finds a half-made store, and of several processes (or threads) creating one path at
+        once exactly one succeeds (the others get :class:`StoreExistsError`). Sibling folders left by creators
         killed mid-way are removed.
 
         Args:
@@ -205,8 +205,8 @@ class EpisodeStore:
     @classmethod
     def open_or_create(cls, path: str | os.PathLike, **create_kwargs: Any) -> "EpisodeStore":
         """Open ``path`` for appending if it is a store, else create it with ``create_kwargs`` (see
-        :meth:`create`). Safe for several processes at once: one creates the store, the others open
-        that one.
+        :meth:`create`). Safe for several processes or threads at once: one creates the store, the
+        others open that one.
 
         Raises:
             StoreError: the existing store has other cameras, dims or action space than requested,

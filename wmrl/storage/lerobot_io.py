@@ -102,7 +102,7 @@ def export_lerobot(store, out: str | os.PathLike, repo_id: str = "local/wmrl", o
                    episodes: Sequence[int] | None = None, progress: bool = True) -> dict:
     """Write an EpisodeStore as a LeRobotDataset v3 folder.
 
-    The dataset is built in a temporary sibling folder (``.<name>.partial-<pid>``) and renamed into
+    The dataset is built in a temporary sibling folder (``.<name>.partial-<pid>-<thread>``) and renamed into
     place when complete, so ``out`` is never left half-written (and an existing ``out`` is only
     replaced, with ``overwrite=True``, once the new one is finished). Partial folders of exports to
     ``out`` whose process is gone (killed with SIGKILL) are removed first.

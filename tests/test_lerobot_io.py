@@ -183,6 +183,98 @@ def test_export_refuses_existing_out_and_keeps_it(exported, tmp_path):
     assert (out / "keep").read_text() == "x" and not (tmp_path / "new").exists()
 
 
+def test_export_removes_partial_folders_of_killed_exports(exported, tmp_path):
+    from wmrl.storage.lerobot_io import export_lerobot
+
+    store, _, _ = exported
+    dead = tmp_path / f".ds.partial-{2 ** 22 + 12345}"                # pid beyond pid_max: a killed export
+    (dead / "meta").mkdir(parents=True)
+    live = tmp_path / f".ds.partial-{os.getppid()}"                   # a running process's export: kept
+    live.mkdir()
+    export_lerobot(store, tmp_path / "ds", repo_id="local/x", episodes=[0], progress=False)
+    assert not dead.exists() and live.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "ds"])
+
+
+def make_video_dataset(root: Path, lengths=(4, 5), fps=10, hw=(32, 32)):
+    """A LeRobotDataset v3 with one camera as a video feature (lerobot encodes it): frame t of
+    episode k is a flat grey 20 + 40 t + 10 k with a bright top half; returns the frames."""
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    feats = {"observation.images.agentview": {"dtype": "video", "shape": (*hw, 3),
+                                              "names": ["height", "width", "channels"]},
+             "observation.state": {"dtype": "float32", "shape": (3,), "names": None},
+             "action": {"dtype": "float32", "shape": (2,), "names": None}}
+    ds = LeRobotDataset.create(repo_id="local/video", fps=fps, features=feats, root=root, use_videos=True)
+    rng = np.random.default_rng(0)
+    frames = []
+    for k, T in enumerate(lengths):
+        frames.append(np.zeros((T, 3, *hw), np.uint8))
+        for t in range(T):
+            img = np.full((*hw, 3), 20 + 40 * t + 10 * k, np.uint8)
+            img[: hw[0] // 2] = 250
+            frames[k][t] = img.transpose(2, 0, 1)
+            ds.add_frame({"observation.images.agentview": img,
+                          "observation.state": rng.normal(size=3).astype(np.float32),
+                          "action": rng.uniform(-1, 1, size=2).astype(np.float32), "task": "lift"})
+        ds.save_episode()
+    ds.finalize()
+    return frames
+
+
+def _shift_parquet(path: Path, column: str, rows, delta: float) -> None:
+    """Add ``delta`` to ``column`` at ``rows`` of one parquet file, keeping its type."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    i = table.schema.get_field_index(column)
+    x = table.column(i).to_numpy().copy()
+    x[list(rows)] += delta
+    pq.write_table(table.set_column(i, table.schema.field(i), pa.array(x, type=table.schema.field(i).type)), path)
+
+
+def test_video_dataset_with_a_late_last_frame_imports_the_same_frames(tmp_path, monkeypatch):
+    """Real clocks stamp a last frame 0.5 ms past t / fps; lerobot's 0.1 ms tolerance on the recorded
+    timestamps rejects it. Import reads frames by index: the late dataset gives the frames and
+    actions of the unmodified one, which are lerobot's own frames; a video short of a frame fails."""
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    from wmrl.run.import_data import run
+    from wmrl.storage import EpisodeStore, lerobot_io
+    from wmrl.storage.lerobot_io import LeRobotFormatError, inspect_lerobot, read_lerobot
+
+    frames = make_video_dataset(tmp_path / "exact")
+    shutil.copytree(tmp_path / "exact", tmp_path / "late")
+    _shift_parquet(tmp_path / "late" / "data" / "chunk-000" / "file-000.parquet", "timestamp", [3, 8], 0.0005)
+    late_ts = LeRobotDataset("local/video", root=tmp_path / "late").hf_dataset["timestamp"]
+    assert abs(float(late_ts[8]) - 0.4005) < 1e-6 and abs(float(late_ts[3]) - 0.3005) < 1e-6
+    asp = {"controller": "JOINT_VELOCITY", "mode": "absolute", "dim": 2}
+    monkeypatch.setattr(lerobot_io, "VIDEO_DECODE_CHUNK", 3)           # episodes of 4, 5 frames span chunks
+    for name in ("exact", "late"):
+        cfg = cfg_of("import", source=str(tmp_path / name), out=str(tmp_path / f"{name}_store"), action_space=asp)
+        assert run(cfg, RunContext(cfg, out_dir=tmp_path / f"run_{name}"))["lengths"] == [4, 5]
+    exact, late = EpisodeStore.open(tmp_path / "exact_store"), EpisodeStore.open(tmp_path / "late_store")
+    assert_same_episodes(exact, late)
+    ds = LeRobotDataset("local/video", root=tmp_path / "exact")
+    for k, a in enumerate((0, 4)):
+        imgs = exact.episode(k).images["agentview"]
+        for t in range(len(imgs)):                                    # lerobot's frame t, by its timestamp
+            ref = ds[a + t]["observation.images.agentview"].numpy()
+            np.testing.assert_array_equal(imgs[t], np.rint(ref * 255).astype(np.uint8))
+        actions = ds.hf_dataset.with_format("numpy")["action"][a:a + len(imgs)]
+        np.testing.assert_array_equal(exact.episode(k).actions, actions)
+        err = np.abs(imgs.astype(int)[:, None] - frames[k].astype(int)[None]).mean(axis=(2, 3, 4))
+        assert (err.argmin(1) == np.arange(len(imgs))).all()          # in order: each nearest its own source
+
+    short = tmp_path / "short"                                        # episode 1's video starts a frame late
+    shutil.copytree(tmp_path / "exact", short)
+    _shift_parquet(short / "meta" / "episodes" / "chunk-000" / "file-000.parquet",
+                   "videos/observation.images.agentview/from_timestamp", [1], 0.1)
+    with pytest.raises(LeRobotFormatError, match=r"episode 1, observation.images.agentview: .* no frame within half"):
+        list(read_lerobot(inspect_lerobot(short, action_space=asp), progress=False))
+
+
 @pytest.mark.slow
 def test_lift_store_export_import_roundtrip(shared_data, tmp_path):
     """Acceptance: `wmrl import` lift demo.hdf5 -> `wmrl export` -> LeRobotDataset loads it offline ->

@@ -21,6 +21,7 @@ from wmrl.storage import (
     EpisodeStore,
     EpisodeValidationError,
     StoreError,
+    StoreExistsError,
     StoreFormatError,
     WindowDataset,
     masked_mse,
@@ -269,6 +270,63 @@ def test_sigkill_at_a_random_moment_of_a_big_append(tmp_path):
     assert EpisodeStore.open(s.path).lengths[-1] == 3
 
 
+_IMPORT_CHILD = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from wmrl.run.import_data import write_store
+    from wmrl.storage.synthetic import random_episode
+    from wmrl.types import PANDA_OSC_POSE
+    def episodes():
+        yield random_episode(4, {}, seed=0)
+        print("PARTIAL", flush=True)  # the first episode is in the partial store; never finish
+        time.sleep(600)
+        yield random_episode(4, {}, seed=1)
+    kw = dict(cameras={}, state_dim=9, action_dim=7, fps=20, action_space=PANDA_OSC_POSE, durable=False)
+    write_store(Path(sys.argv[1]), episodes(), kw, False)
+""")
+
+
+def test_a_killed_import_leaves_a_partial_folder_that_the_next_import_removes(tmp_path):
+    """`wmrl import` builds `.<out>.partial-<pid>-<thread>` and renames it; a SIGKILL leaves the folder. The
+    next import to the same out removes the partial folders of dead processes, not of live ones."""
+    from wmrl.run.import_data import write_store
+
+    out = tmp_path / "imported"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", _IMPORT_CHILD, str(out)], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        _wait_for(proc, "PARTIAL")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        (killed,) = tmp_path.glob(f".imported.partial-{proc.pid}-*")
+        assert killed.is_dir() and not out.exists()                   # what the kill leaves
+        busy = tmp_path / f".imported.partial-{live.pid}-{live.pid}"   # another import still running
+        busy.mkdir()
+        dead = tmp_path / f".imported.partial-{2 ** 22 + 12345}"       # pid beyond pid_max: never running
+        dead_thread = tmp_path / f".imported.partial-{2 ** 22 + 12345}-7"
+        dead_thread.mkdir()
+        dead.mkdir()
+        other = tmp_path / f".other.partial-{2 ** 22 + 12345}"         # a partial of another out: not ours
+        other.mkdir()
+        eps = [random_episode(3, {}, seed=s) for s in (5, 6)]
+        kw = dict(cameras={}, state_dim=9, action_dim=7, fps=20, action_space=PANDA_OSC_POSE, durable=False)
+        lengths, _ = write_store(out, iter(eps), kw, False)
+        assert lengths == [3, 3]
+        assert not killed.exists() and not dead.exists() and not dead_thread.exists()
+        assert busy.is_dir() and other.is_dir()
+        back = EpisodeStore.open(out)
+        for i, e in enumerate(eps):
+            assert_episode_equal(back.episode(i), e)
+    finally:
+        for p in (proc, live):
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([busy.name, other.name, "imported"])
+
+
 # ---------------------------------------------------------------------- bad input
 def _bad(kind: str):
     e = random_episode(6, CAMS, seed=11)
@@ -375,12 +433,90 @@ def test_unknown_format_version_and_corrupt_index(store):
 
 def test_open_or_create(tmp_path):
     kw = dict(cameras=CAMS, state_dim=9, action_dim=7, fps=20, action_space=PANDA_OSC_POSE)
+    killed = tmp_path / f".s.creating-{2 ** 22 + 12345}"             # a creator killed mid-way (dead pid)
+    killed.mkdir()
     s = EpisodeStore.open_or_create(tmp_path / "s", **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+    with pytest.raises(StoreExistsError, match="already exists"):
+        EpisodeStore.create(tmp_path / "s", **kw)
     s.append(random_episode(3, CAMS))
     s2 = EpisodeStore.open_or_create(tmp_path / "s", **kw)
     assert len(s2) == 1 and s2.mode == "a"
     with pytest.raises(StoreError, match="state_dim"):
         EpisodeStore.open_or_create(tmp_path / "s", **{**kw, "state_dim": 8})
+
+
+RACE_PROCESSES, RACE_TRIALS = 8, 6
+
+
+def _open_or_create_racer(barrier, paths, results, rank):
+    """One of the processes racing `open_or_create` (module level: spawned processes import it). For
+    each path it waits for all racers, then opens or creates the store and appends one episode."""
+    asp = ActionSpace(dim=2, controller="JOINT_VELOCITY")
+    for k, path in enumerate(paths):
+        barrier.wait(120)
+        try:
+            s = EpisodeStore.open_or_create(path, cameras={}, state_dim=3, action_dim=2, fps=10, action_space=asp,
+                                            durable=False)
+            s.append(random_episode(2, {}, state_dim=3, action_dim=2, seed=rank))
+            results.put((k, rank, "ok"))
+        except Exception as e:  # noqa: BLE001 - the test reports every kind
+            results.put((k, rank, f"{type(e).__module__}.{type(e).__name__}: {e}"))
+
+
+def test_processes_racing_open_or_create_share_one_store(tmp_path):
+    """8 processes call open_or_create on one new path at once (several trials): every one gets the
+    same valid store, so their 8 appended episodes are all in it, and no temporary folder is left."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(RACE_PROCESSES), ctx.Queue()
+    paths = [str(tmp_path / f"s{k}") for k in range(RACE_TRIALS)]
+    procs = [ctx.Process(target=_open_or_create_racer, args=(barrier, paths, results, r))
+             for r in range(RACE_PROCESSES)]
+    for p in procs:
+        p.start()
+    try:
+        got = [results.get(timeout=300) for _ in range(RACE_PROCESSES * RACE_TRIALS)]
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    failed = sorted({k for k, _, r in got if r != "ok"})
+    assert not failed, (f"{len(failed)}/{RACE_TRIALS} trials failed: "
+                        f"{sorted({r for _, _, r in got if r != 'ok'})[:4]}")
+    for path in paths:
+        s = EpisodeStore.open(path)
+        assert len(s) == RACE_PROCESSES and s.lengths.tolist() == [2] * RACE_PROCESSES
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"s{k}" for k in range(RACE_TRIALS))
+
+
+def test_threads_racing_open_or_create_share_one_store(tmp_path):
+    """The same race between 8 threads of one process (each builds in its own temporary folder)."""
+    import threading
+
+    asp = ActionSpace(dim=2, controller="JOINT_VELOCITY")
+    for k in range(RACE_TRIALS):
+        barrier, errors = threading.Barrier(RACE_PROCESSES), []
+
+        def racer(rank, path=tmp_path / f"s{k}", barrier=barrier, errors=errors):
+            barrier.wait(60)
+            try:
+                s = EpisodeStore.open_or_create(path, cameras={}, state_dim=3, action_dim=2, fps=10,
+                                                action_space=asp, durable=False)
+                s.append(random_episode(2, {}, state_dim=3, action_dim=2, seed=rank))
+            except Exception as e:  # noqa: BLE001 - the test reports every kind
+                errors.append(f"{type(e).__module__}.{type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=racer, args=(r,)) for r in range(RACE_PROCESSES)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, f"trial {k}: {errors[:3]}"
+        assert len(EpisodeStore.open(tmp_path / f"s{k}")) == RACE_PROCESSES
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"s{k}" for k in range(RACE_TRIALS))
 
 
 def test_stats_from_store(tmp_path):

@@ -42,6 +42,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from wmrl.leftovers import dead_writer_leftovers
+
 CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"
 EXTRA_FILE = "extra.safetensors"
@@ -172,16 +174,6 @@ def _complete(folder: Path) -> bool:
         (folder / CONFIG_FILE).is_file() and (folder / WEIGHTS_FILE).is_file() and ".old-" in folder.name)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def recover_checkpoint(folder: str | os.PathLike) -> Path | None:
     """Mend what a killed writer of ``folder`` left: if ``folder`` is missing, the newest complete
     leftover (a finished temporary folder, else the old one moved aside) becomes ``folder``;
@@ -190,14 +182,8 @@ def recover_checkpoint(folder: str | os.PathLike) -> Path | None:
     folder = Path(folder)
     if not folder.parent.is_dir():
         return None
-    leftovers = []
-    for p in folder.parent.glob(f".{folder.name}.*-*"):
-        kind, _, pid = p.name[len(folder.name) + 2:].partition("-")
-        if kind not in ("tmp", "old") or not pid.isdigit():
-            continue
-        if int(pid) != os.getpid() and _pid_alive(int(pid)):
-            continue                        # another live writer's folder
-        leftovers.append((kind, p))
+    # our own folders too: one process saves one folder at a time, so ours are from an interrupted save
+    leftovers = dead_writer_leftovers(folder, ("tmp", "old"), own_are_leftovers=True)
     if not folder.exists():
         done = sorted((p for k, p in leftovers if k == "tmp" and _complete(p)), key=lambda p: p.stat().st_mtime)
         olds = sorted((p for k, p in leftovers if k == "old" and _complete(p)), key=lambda p: p.stat().st_mtime)

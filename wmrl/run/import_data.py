@@ -9,8 +9,9 @@ robomimic/robosuite demo file (rendered by replaying its MuJoCo states, see
 :mod:`wmrl.storage.lerobot_io`). Everything is validated before the first frame is written; the
 store is built in a temporary sibling folder and renamed to ``out`` once complete, so a failed
 import leaves no store (and never touches an existing one unless ``overwrite=true`` and the new
-one is finished). Errors are ``ValueError`` subclasses naming the file and the reason; the CLI
-prints them as one line and exits with status 1.
+one is finished); the temporary folder of an import killed with SIGKILL is removed by the next
+import to the same ``out``. Errors are ``ValueError`` subclasses naming the file and the reason;
+the CLI prints them as one line and exits with status 1.
 """
 
 from __future__ import annotations
@@ -71,15 +72,19 @@ def _image_size(v) -> tuple[int, int] | None:
 def write_store(out: Path, episodes, store_kwargs: dict, overwrite: bool) -> tuple[list[int], float]:
     """Append ``episodes`` (an iterable of :class:`wmrl.types.Episode`) to a new store at ``out``.
 
-    Built in ``.<name>.partial-<pid>`` next to ``out`` and renamed into place when all episodes are
-    in; on any error the partial folder is removed and ``out`` is untouched. Returns (lengths, seconds
-    spent appending)."""
+    Built in ``.<name>.partial-<pid>-<thread>`` next to ``out`` and renamed into place when all episodes are
+    in; on any error the partial folder is removed and ``out`` is untouched. Partial folders of
+    imports to ``out`` whose process is gone (killed with SIGKILL) are removed first. Returns
+    (lengths, seconds spent appending).
+
+    Raises:
+        FileExistsError: ``out`` appeared while we worked and ``overwrite`` is false.
+        StoreError, EpisodeValidationError: from the store (bad metadata, an episode that does not fit).
+    """
+    from wmrl.leftovers import temp_sibling
     from wmrl.storage import EpisodeStore
 
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_sibling(out, "partial")
     lengths, t_write = [], 0.0
     try:
         store = EpisodeStore.create(tmp, **store_kwargs)

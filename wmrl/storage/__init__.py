@@ -6,7 +6,13 @@ and ``wmrl.storage.lerobot_io``.
 
 from wmrl.storage.dataset import WindowDataset, masked_mean, masked_mse
 from wmrl.storage.episode_store import FORMAT_VERSION, EpisodeStore, window_indices
-from wmrl.storage.errors import EpisodeValidationError, MissingStatsError, StoreError, StoreFormatError
+from wmrl.storage.errors import (
+    EpisodeValidationError,
+    MissingStatsError,
+    StoreError,
+    StoreExistsError,
+    StoreFormatError,
+)
 from wmrl.storage.normalize import NormStats, Normalizer
 
 __all__ = [
@@ -17,6 +23,7 @@ __all__ = [
     "NormStats",
     "Normalizer",
     "StoreError",
+    "StoreExistsError",
     "StoreFormatError",
     "WindowDataset",
     "masked_mean",

@@ -19,13 +19,17 @@ then writes the episode into its own group, and only then commits it by atomical
 included) leaves every earlier episode readable and the store shows only complete episodes; the
 orphan group of the killed append is removed by the next append. Appends take an exclusive
 ``fcntl`` lock on ``PATH/.append.lock``, so several processes may append to one store; any number
-of readers may open it meanwhile (call :meth:`EpisodeStore.refresh` to see newer episodes).
+of readers may open it meanwhile (call :meth:`EpisodeStore.refresh` to see newer episodes). A new
+store is built in a hidden sibling ``.<name>.creating-<pid>-<thread>`` and renamed to ``PATH`` when complete,
+so ``PATH`` is a whole store or absent, and processes (or threads) racing
+:meth:`EpisodeStore.open_or_create` on one new path end with one store that they all append to.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import math
@@ -40,7 +44,13 @@ import torch
 import zarr
 from zarr.codecs import ZstdCodec
 
-from wmrl.storage.errors import EpisodeValidationError, StoreError, StoreFormatError
+from wmrl.leftovers import temp_sibling
+from wmrl.storage.errors import (
+    EpisodeValidationError,
+    StoreError,
+    StoreExistsError,
+    StoreFormatError,
+)
 from wmrl.storage.normalize import NormStats
 from wmrl.types import ActionSpace, Episode
 
@@ -96,7 +106,8 @@ class EpisodeStore:
     ``embodiment`` (e.g. ``"panda"``), ``source`` (e.g. ``"scripted"``, ``"robomimic"``), ``info``
     (free JSON), ``format_version``.
 
-    Errors: :class:`StoreError` (missing or existing folder, wrong mode),
+    Errors: :class:`StoreError` (missing folder, wrong mode), :class:`StoreExistsError` (creating
+    over an existing folder),
     :class:`StoreFormatError` (not a store, corrupt index, unknown ``format_version``),
     :class:`EpisodeValidationError` (an appended episode that does not fit; nothing is written).
     All subclass ``ValueError``.
@@ -133,6 +144,12 @@ class EpisodeStore:
                durable: bool = True) -> "EpisodeStore":
         """Create an empty store (opened in mode ``"a"``).
 
+        The store is built in a hidden sibling folder ``.<name>.creating-<pid>-<thread>`` and renamed to
+        ``path`` when complete, so ``path`` appears whole or not at all: a process that opens it
+        never finds a half-made store, and of several processes (or threads) creating one path at
+        once exactly one succeeds (the others get :class:`StoreExistsError`). Sibling folders left by creators
+        killed mid-way are removed.
+
         Args:
             path: folder to create.
             cameras: camera name -> ``(Hi, Wi)`` in pixels (may be empty for image-free stores).
@@ -141,54 +158,35 @@ class EpisodeStore:
             action_space: how actions are read (delta/absolute, frame, gripper sign).
             embodiment, source: free strings recorded in the metadata.
             info: extra JSON metadata.
-            overwrite: replace an existing folder at ``path`` (otherwise :class:`StoreError`).
+            overwrite: replace an existing folder at ``path`` (otherwise :class:`StoreExistsError`).
             durable: fsync each episode's files before committing it, so that a committed
                 episode also survives a power loss (process kills are survived either way).
+
+        Raises:
+            StoreExistsError: ``path`` exists (or was created by another process meanwhile) and
+                ``overwrite`` is false.
+            StoreError: inconsistent dims, bad fps, camera names or sizes, non-JSON ``info``.
         """
         path = Path(path)
-        if isinstance(action_space, Mapping):
-            action_space = ActionSpace.from_dict(dict(action_space))
-        if int(action_space.dim) != int(action_dim):
-            raise StoreError(f"action_dim={action_dim} but action_space.dim={action_space.dim}; "
-                             "make them equal")
-        if int(state_dim) < 0 or int(action_dim) <= 0:
-            raise StoreError(f"need state_dim >= 0 and action_dim > 0, got {state_dim}, {action_dim}")
-        if not (math.isfinite(float(fps)) and float(fps) > 0):
-            raise StoreError(f"fps must be a positive number, got {fps!r}")
-        cams: dict[str, list[int]] = {}
-        for name, hw in dict(cameras).items():
-            hw = [int(v) for v in hw]
-            if len(hw) != 2 or min(hw) <= 0 or "/" in name or not name:
-                raise StoreError(f"camera {name!r}: expected a name without '/' and (Hi, Wi) > 0, got {hw}")
-            cams[str(name)] = hw
-        if info is not None:
-            try:
-                json.dumps(dict(info))
-            except TypeError as e:
-                raise StoreError(f"store info is not JSON-serialisable: {e}") from None
-        if path.exists():
-            if not overwrite:
-                raise StoreError(f"{path} already exists; pass overwrite=True to replace it or "
-                                 "EpisodeStore.open(path, mode='a') to append to it")
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "cameras": cams,
-            "state_dim": int(state_dim),
-            "action_dim": int(action_dim),
-            "fps": float(fps),
-            "action_space": action_space.to_dict(),
-            "embodiment": str(embodiment),
-            "source": str(source),
-            "info": dict(info or {}),
-        }
-        root = zarr.open_group(str(path), mode="w", zarr_format=3)
-        root.create_group("episodes")
-        root.attrs[_META_ATTR] = meta
-        _write_index(path, [])
+        meta = _store_meta(cameras, state_dim, action_dim, fps, action_space, embodiment, source, info)
+        if path.exists() and not overwrite:
+            raise _exists_error(path)
+        tmp = temp_sibling(path, "creating")
+        try:
+            root = zarr.open_group(str(tmp), mode="w", zarr_format=3)
+            root.create_group("episodes")
+            root.attrs[_META_ATTR] = meta
+            _write_index(tmp, [], durable=durable)
+            if durable:
+                _fsync_tree(tmp)
+            if overwrite and (path.exists() or path.is_symlink()):
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            _rename_new(tmp, path)
+            if durable:
+                _fsync_dir(path.parent)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
         return cls(path, "a", _OPEN_TOKEN, durable=durable)
 
     @classmethod
@@ -206,11 +204,21 @@ class EpisodeStore:
 
     @classmethod
     def open_or_create(cls, path: str | os.PathLike, **create_kwargs: Any) -> "EpisodeStore":
-        """Open ``path`` for appending if it is a store, else create it with ``create_kwargs``.
-        An existing store must have the same cameras, dims and action space (else :class:`StoreError`)."""
+        """Open ``path`` for appending if it is a store, else create it with ``create_kwargs`` (see
+        :meth:`create`). Safe for several processes or threads at once: one creates the store, the
+        others open that one.
+
+        Raises:
+            StoreError: the existing store has other cameras, dims or action space than requested,
+                or ``create_kwargs`` are invalid.
+            StoreFormatError: ``path`` exists but is not an EpisodeStore.
+        """
         path = Path(path)
         if not path.exists():
-            return cls.create(path, **create_kwargs)
+            try:
+                return cls.create(path, **create_kwargs)
+            except StoreExistsError:
+                pass  # another process created it meanwhile: open theirs
         store = cls.open(path, mode="a", durable=create_kwargs.get("durable", True))
         want = {
             "cameras": {k: [int(v) for v in hw] for k, hw in dict(create_kwargs.get("cameras", {})).items()},
@@ -473,6 +481,59 @@ class EpisodeStore:
 
 
 _OPEN_TOKEN = object()
+
+
+def _store_meta(cameras: Mapping[str, tuple[int, int]], state_dim: int, action_dim: int, fps: float,
+                action_space: ActionSpace | Mapping, embodiment: str, source: str, info: Mapping | None) -> dict:
+    """The metadata of a new store (see :class:`EpisodeStore`), checked; :class:`StoreError` names the
+    first inconsistent argument."""
+    if isinstance(action_space, Mapping):
+        action_space = ActionSpace.from_dict(dict(action_space))
+    if int(action_space.dim) != int(action_dim):
+        raise StoreError(f"action_dim={action_dim} but action_space.dim={action_space.dim}; "
+                         "make them equal")
+    if int(state_dim) < 0 or int(action_dim) <= 0:
+        raise StoreError(f"need state_dim >= 0 and action_dim > 0, got {state_dim}, {action_dim}")
+    if not (math.isfinite(float(fps)) and float(fps) > 0):
+        raise StoreError(f"fps must be a positive number, got {fps!r}")
+    cams: dict[str, list[int]] = {}
+    for name, hw in dict(cameras).items():
+        hw = [int(v) for v in hw]
+        if len(hw) != 2 or min(hw) <= 0 or "/" in name or not name:
+            raise StoreError(f"camera {name!r}: expected a name without '/' and (Hi, Wi) > 0, got {hw}")
+        cams[str(name)] = hw
+    if info is not None:
+        try:
+            json.dumps(dict(info))
+        except TypeError as e:
+            raise StoreError(f"store info is not JSON-serialisable: {e}") from None
+    return {
+        "format_version": FORMAT_VERSION,
+        "cameras": cams,
+        "state_dim": int(state_dim),
+        "action_dim": int(action_dim),
+        "fps": float(fps),
+        "action_space": action_space.to_dict(),
+        "embodiment": str(embodiment),
+        "source": str(source),
+        "info": dict(info or {}),
+    }
+
+
+def _exists_error(path: Path) -> StoreExistsError:
+    return StoreExistsError(f"{path} already exists; pass overwrite=True to replace it or "
+                            "EpisodeStore.open(path, mode='a') to append to it")
+
+
+def _rename_new(tmp: Path, path: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``path``; :class:`StoreExistsError` when ``path`` is
+    taken (by a process that created it first), other ``OSError`` s unchanged."""
+    try:
+        os.rename(tmp, path)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+            raise _exists_error(path) from None
+        raise
 
 
 def window_indices(T: int, t: int, n_obs: int, horizon: int, n_future: int = 0):

@@ -9,6 +9,11 @@ class StoreError(ValueError):
     """Base class of every EpisodeStore error (missing store, existing store, bad mode, ...)."""
 
 
+class StoreExistsError(StoreError):
+    """:meth:`EpisodeStore.create` found its folder taken (it existed, or another process created it
+    first) and was not asked to overwrite it."""
+
+
 class StoreFormatError(StoreError):
     """The folder is not an EpisodeStore, is corrupt, or has an unknown ``format_version``."""
 

@@ -29,6 +29,10 @@ back (any ``observation.images.*`` image or video feature becomes a camera; floa
 lerobot are turned back into ``uint8`` by ``round(255 x)``, exact for PNG-backed images) and takes
 the metadata from ``meta/wmrl.json`` when present. A dataset not written by wmrl has no declared
 action space: the caller must pass one (``action_space=``), we never guess delta vs absolute.
+Frames are read by index, never by the ``timestamp`` column: rows ``dataset_from_index ..
+dataset_to_index`` of the data files, and for video features the frame nearest
+``from_timestamp + t / fps`` within half a frame (lerobot's own 0.1 ms ``tolerance_s`` against the
+recorded timestamps would reject a last frame 0.5 ms late, as real clocks produce).
 
 Errors are :class:`LeRobotFormatError` (a ``ValueError``) naming the folder and what is wrong:
 missing ``meta/info.json``, a ``codebase_version`` other than ``v3.0``, missing ``action`` /
@@ -46,9 +50,11 @@ from pathlib import Path
 
 import numpy as np
 
+from wmrl.leftovers import temp_sibling
 from wmrl.types import ActionSpace, Episode
 
 SUPPORTED_CODEBASE_VERSIONS = ("v3.0",)
+VIDEO_TOLERANCE_FRAMES = 0.5  # a video frame matches frame index t within half a frame of t / fps
 WMRL_META = "wmrl.json"
 WMRL_META_FORMAT = "wmrl-lerobot"
 WMRL_META_VERSION = 1
@@ -96,9 +102,10 @@ def export_lerobot(store, out: str | os.PathLike, repo_id: str = "local/wmrl", o
                    episodes: Sequence[int] | None = None, progress: bool = True) -> dict:
     """Write an EpisodeStore as a LeRobotDataset v3 folder.
 
-    The dataset is built in a temporary sibling folder and renamed into place when complete, so
-    ``out`` is never left half-written (and an existing ``out`` is only replaced, with
-    ``overwrite=True``, once the new one is finished).
+    The dataset is built in a temporary sibling folder (``.<name>.partial-<pid>-<thread>``) and renamed into
+    place when complete, so ``out`` is never left half-written (and an existing ``out`` is only
+    replaced, with ``overwrite=True``, once the new one is finished). Partial folders of exports to
+    ``out`` whose process is gone (killed with SIGKILL) are removed first.
 
     Args:
         store: an open :class:`wmrl.storage.EpisodeStore`.
@@ -129,10 +136,7 @@ def export_lerobot(store, out: str | os.PathLike, repo_id: str = "local/wmrl", o
     first = store.episode(idx[0], images=False)
     sim_dim = None if first.sim_states is None else int(first.sim_states.shape[1])
     features = lerobot_features(meta, sim_dim)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_sibling(out, "partial")
     lengths = store.lengths
     total = int(sum(int(lengths[i]) for i in idx))
     ep_meta = []
@@ -310,13 +314,52 @@ def _decode_image(x) -> np.ndarray:
     return np.asarray(img.convert("RGB"))
 
 
+VIDEO_DECODE_CHUNK = 256
+
+
+def _video_frames(ds, path: Path, k: int, key: str, T: int, hw: tuple[int, int]) -> list[np.ndarray]:
+    """Frames ``0 .. T-1`` of episode ``k``'s video ``key``, chosen by frame index, as ``uint8 (3, H, W)``.
+
+    Frame ``t`` is the video frame at ``from_timestamp + t / fps`` (``from_timestamp`` of the episode
+    in ``meta/episodes``), matched by lerobot's ``decode_video_frames`` with a tolerance of half a
+    frame (``VIDEO_TOLERANCE_FRAMES / fps``): the nearest frame is then the only candidate. The
+    ``timestamp`` column of the data files is not consulted, so real-clock jitter there (a last
+    frame a fraction of a frame late) changes nothing; a video missing a frame still fails. Decoded
+    in chunks of ``VIDEO_DECODE_CHUNK`` frames to bound memory on long episodes.
+
+    Raises:
+        LeRobotFormatError: the video has no frame within half a frame of an index's time.
+    """
+    from lerobot.datasets.video_utils import FrameTimestampError, decode_video_frames
+
+    fps = float(ds.meta.fps)
+    start = float(ds.meta.episodes[k][f"videos/{key}/from_timestamp"])
+    video = ds.root / ds.meta.get_video_file_path(k, key)
+    frames: list[np.ndarray] = []
+    for lo in range(0, T, VIDEO_DECODE_CHUNK):
+        times = [start + t / fps for t in range(lo, min(T, lo + VIDEO_DECODE_CHUNK))]
+        try:
+            got = decode_video_frames(video, times, VIDEO_TOLERANCE_FRAMES / fps, backend="pyav", return_uint8=True)
+        except FrameTimestampError as e:
+            raise LeRobotFormatError(path, f"episode {k}, {key}: {video.name} has no frame within half a frame "
+                                           f"of frames {lo}..{lo + len(times) - 1} (dropped frames?): "
+                                           f"{str(e).splitlines()[0]}") from None
+        frames += [_to_uint8(f, hw) for f in got]
+    return frames
+
+
 def read_lerobot(src: LeRobotSource, progress: bool = True) -> Iterator[Episode]:
     """Yield the episodes of a folder checked by :func:`inspect_lerobot`, in episode order.
 
     Loads with ``lerobot.datasets.lerobot_dataset.LeRobotDataset(src.repo_id, root=src.path)``;
-    set ``HF_HUB_OFFLINE=1`` so that nothing is fetched. Success per episode: ``meta/wmrl.json`` if
-    present, else ``any(next.success)`` if that column exists, else ``False``; rewards: ``next.reward``
-    or zeros.
+    set ``HF_HUB_OFFLINE=1`` so that nothing is fetched. Frames are read by index (see
+    :func:`_video_frames` for videos), so jitter in the recorded timestamps does not matter.
+    Success per episode: ``meta/wmrl.json`` if present, else ``any(next.success)`` if that column
+    exists, else ``False``; rewards: ``next.reward`` or zeros.
+
+    Raises:
+        LeRobotFormatError: lerobot cannot load the folder, ``meta/wmrl.json`` disagrees with it,
+            rows of an episode belong to another, or a video lacks a frame.
     """
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
     from tqdm import tqdm
@@ -351,11 +394,11 @@ def read_lerobot(src: LeRobotSource, progress: bool = True) -> Iterator[Episode]
         images = {}
         for c, (h, w) in src.cameras.items():
             key = IMAGE_PREFIX + c
-            if key in video_keys:  # decode through lerobot (lossy codec; not produced by export_lerobot)
-                frames = [_to_uint8(ds[a + t][key], (h, w)) for t in range(T)]
+            if key in video_keys:  # lossy codec; not produced by export_lerobot
+                frames = _video_frames(ds, src.path, k, key, T, (h, w))
             else:
                 frames = [_to_uint8(_decode_image(x), (h, w)) for x in rows[key].to_pylist()]
-            images[c] = np.stack(frames) if frames else np.empty((0, 3, h, w), np.uint8)
+            images[c] = np.stack(frames) if len(frames) else np.empty((0, 3, h, w), np.uint8)
         proprio = _col(rows["observation.state"], T).astype(np.float32)
         actions = _col(rows["action"], T).astype(np.float32)
         rewards = (_col(rows["next.reward"], T).astype(np.float32).reshape(T) if "next.reward" in rows

@@ -70,6 +70,63 @@ def test_chunk_of_wrong_dimension_and_bad_values_rejected():
         M.decode(M.encode(nan), lim)
 
 
+@pytest.mark.parametrize("case", ["nan", "inf", "huge", "over_long", "not_rows", "delay_past_prefix", "no_len"])
+def test_rtc_prefix_is_validated_like_every_numeric_field(case):
+    lim = M.Limits(action_dim=D_A, chunk_size=16)
+    prefix = {"nan": np.full((4, D_A), np.nan), "inf": np.full((4, D_A), -np.inf), "huge": np.full((4, D_A), 1e30),
+              "over_long": np.zeros((17, D_A))}.get(case, np.zeros((4, D_A)))
+    env = _obs_env(prefix_actions=prefix.astype(np.float32), request_id=5)
+    if case == "not_rows":
+        env.observation.prefix_actions.append(0.0)
+    elif case == "delay_past_prefix":
+        env.observation.delay_steps = 5
+    elif case == "no_len":
+        env.observation.prefix_len = 0
+    why = {"nan": "RTC prefix .* NaN or inf", "inf": "RTC prefix .* NaN or inf", "huge": "magnitude 1e\\+30",
+           "over_long": "prefix_len=17 actions is longer than the chunk length H=16",
+           "not_rows": "expected prefix_len\\*D_a=4\\*7", "delay_past_prefix": "delay_steps=5 exceeds prefix_len=4",
+           "no_len": "28 values but prefix_len=0"}[case]
+    with pytest.raises(M.MessageError, match=why) as e:
+        M.decode(M.encode(env), lim)
+    assert e.value.code == "invalid" and e.value.request_id == 5 and str(e.value).startswith("[invalid] ")
+    ok = _obs_env(prefix_actions=np.full((16, D_A), 0.5, np.float32))
+    ok.observation.delay_steps = 16
+    M.decode(M.encode(ok), lim)  # a full-length prefix, every action frozen, is fine
+    over = _obs_env(prefix_actions=np.zeros((300, D_A), np.float32))
+    with pytest.raises(M.MessageError, match="longer than max_horizon=256"):
+        M.decode(M.encode(over), M.Limits())  # H unknown: the generic bound, named as such
+
+
+def test_other_numeric_fields_are_validated():
+    lim = M.Limits(action_dim=D_A)
+    big = _obs_env()
+    big.observation.proprio[0] = 1e30
+    with pytest.raises(M.MessageError, match="proprio has a value of magnitude"):
+        M.decode(M.encode(big), lim)
+    neg = _obs_env(step=-1)
+    with pytest.raises(M.MessageError, match="step=-1"):
+        M.decode(M.encode(neg), lim)
+    ch = M.make_chunk(actions=np.zeros((16, D_A)), start_step=0, inference_s=float("nan"))
+    with pytest.raises(M.MessageError, match="inference_s"):
+        M.decode(M.encode(ch), lim)
+    ch = M.make_chunk(actions=np.full((16, D_A), 1e30), start_step=0)
+    with pytest.raises(M.MessageError, match="action chunk has a value of magnitude"):
+        M.decode(M.encode(ch), lim)
+    hello = M.Envelope(hello=M.pb.Hello(action_dim=D_A, state_dim=D_S, image_height=65535, image_width=65535))
+    with pytest.raises(M.MessageError, match="max_image_pixels") as e:  # the server would allocate it to warm up
+        M.decode(M.encode(hello), lim)
+    assert e.value.code == "oversized"
+    hello = M.Envelope(hello=M.pb.Hello(action_dim=D_A, cameras=[f"c{i}" for i in range(20)]))
+    with pytest.raises(M.MessageError, match="max_cameras"):
+        M.decode(M.encode(hello), lim)
+    hello = M.Envelope(hello=M.pb.Hello(action_dim=D_A, control_hz=float("inf")))
+    with pytest.raises(M.MessageError, match="control_hz"):
+        M.decode(M.encode(hello), lim)
+    ready = M.Envelope(ready=M.pb.Ready(action_dim=D_A, chunk_size=0))
+    with pytest.raises(M.MessageError, match="ready announces"):
+        M.decode(M.encode(ready), lim)
+
+
 def test_observation_with_inconsistent_image_rejected():
     env = _obs_env()
     env.observation.images[0].height = 9

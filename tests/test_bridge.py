@@ -127,6 +127,20 @@ def test_other_numeric_fields_are_validated():
         M.decode(M.encode(ready), lim)
 
 
+def test_server_never_sends_a_nonfinite_chunk():
+    class NaNPolicy(GoalPolicy):
+        def sample(self, obs, generator=None):
+            out = super().sample(obs, generator)
+            return PolicySample(out.actions * float("nan"), out.log_prob)
+
+    srv, th, robot_end, _ = _start_server(NaNPolicy())
+    robot_end.send(_obs_env(request_id=3))
+    err = _recv_kind(robot_end, "error").error
+    assert err.code == "internal" and "NaN" in err.message and err.request_id == 3
+    assert srv.stats["chunks"] == 0
+    robot_end.close()
+
+
 def test_observation_with_inconsistent_image_rejected():
     env = _obs_env()
     env.observation.images[0].height = 9

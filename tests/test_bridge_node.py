@@ -182,3 +182,37 @@ def test_operator_estop_signal_stops_node_and_records_episode(tmp_path):
     assert rep["num_episodes"] == 1 and rep["episodes"][0]["failure_label"] == "estop"  # no further episode
     ep = EpisodeStore.open(tmp_path / "eps").episode(0)
     assert ep.info["failure_label"] == "estop" and ep.info["estop_reason"] == "operator signal"
+
+
+BENCH_PARENT = """
+import sys, time
+from pathlib import Path
+from wmrl.run.bench_bridge import _start_server_process
+proc, address = _start_server_process("grpc", 0.0, 16, Path(sys.argv[1]), 0, {"nice": None})
+print(proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_bench_policy_server_dies_with_a_killed_benchmark(tmp_path):
+    """`wmrl bench bridge` starts `wmrl serve` as a child (wmrl.workers.child_env): kill -9 of the
+    benchmark leaves no policy server behind."""
+    from test_workers import _alive  # tests/ is on sys.path (no __init__.py)
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    parent = subprocess.Popen([sys.executable, "-c", BENCH_PARENT, str(tmp_path)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        pid = int(parent.stdout.readline())
+        assert _alive(pid)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        t0 = time.time()
+        while _alive(pid) and time.time() - t0 < 5:
+            time.sleep(0.1)
+        assert not _alive(pid), "wmrl serve outlived the killed benchmark by 5 s"
+    finally:
+        parent.kill()
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -94,6 +94,10 @@ class ClientConfig:
         silence_hold_s: hold (stop consuming queued actions) when the server is silent this long
             (default ``watchdog_s / 2``; the server heart-beats every 0.1 s).
         ready_timeout_s: how long ``connect`` waits for ``Ready`` (the server's warm-up).
+        hello_retry_s: ``connect`` sends ``Hello`` again after this long while nothing at all was
+            heard from the server (a ROS 2 server that was discovered only after the first
+            ``Hello``, e.g. restarted, never saw it; a server answers a repeated ``Hello`` with
+            the same ``Ready``).
         request_timeout_s: re-request when a request is unanswered this long.
         max_steps: episode length limit (control steps).
         stop_on_success: end the episode when the success predicate holds.
@@ -108,6 +112,7 @@ class ClientConfig:
     watchdog_s: float = 0.5
     silence_hold_s: float | None = None
     ready_timeout_s: float = 30.0
+    hello_retry_s: float = 1.0
     request_timeout_s: float = 2.0
     max_steps: int = 400
     stop_on_success: bool = True
@@ -164,6 +169,7 @@ class _Link:
         self.closing = threading.Event()
         self.down = threading.Event()
         self.ready = threading.Event()
+        self.heard = threading.Event()  # any message (or a rejected one) came from the server
         self.ready_msg: M.pb.Ready | None = None
         self.ended = ""  # the server's reason when it ended the session ([busy], [timeout])
         self.end_reason = ""  # the transport's, when it reported the peer gone
@@ -283,11 +289,15 @@ class RobotClient:
         r = self.robot
         h, w = r.image_size
         n_err = len(self.errors)
-        link.outbox.put(M.Envelope(hello=M.pb.Hello(
+        hello = M.Envelope(hello=M.pb.Hello(
             robot=type(r).__name__, action_dim=r.action_dim, state_dim=r.state_dim, cameras=list(r.cameras),
-            control_hz=self.cfg.control_hz, image_height=h, image_width=w, task=r.task)))
-        t0 = time.monotonic()
+            control_hz=self.cfg.control_hz, image_height=h, image_width=w, task=r.task))
+        link.outbox.put(hello)
+        t0 = t_hello = time.monotonic()
         while not link.ready.wait(0.05):
+            if not link.heard.is_set() and time.monotonic() - t_hello > self.cfg.hello_retry_s:
+                link.outbox.put(hello)
+                t_hello = time.monotonic()
             invalid = [m for c, m in self.errors[n_err:] if c == "invalid"]
             if invalid:
                 raise ConnectionError(f"server rejected the robot: {invalid[0]}")
@@ -377,6 +387,7 @@ class RobotClient:
                 env = link.transport.recv(timeout=0.05)
             except M.MessageError as e:
                 self.rejected.append(str(e))
+                link.heard.set()
                 self.watchdog.kick()  # the server is alive, it sent something
                 link.outbox.put(M.make_error(e))
                 with self._lock:
@@ -389,6 +400,7 @@ class RobotClient:
                 return
             if env is None:
                 continue
+            link.heard.set()
             self.watchdog.kick()
             self._on_message(link, env)
 

@@ -298,6 +298,7 @@ class _Session:
         self.send_lock = threading.Lock()
         self.stats = {"requests": 0, "chunks": 0, "rejected": 0, "errors_sent": 0}
         self.said_hello = False
+        self.ready: Envelope | None = None  # the answer to this session's Hello, once warmed up
 
     def send(self, env: Envelope) -> None:
         with self.send_lock:
@@ -377,11 +378,11 @@ class _Session:
                 self._reply(lambda: self.error("invalid", f"robot takes D_a={hl.action_dim} but the policy outputs "
                                                           f"D_a={srv.action_dim}; serve a policy for this robot"))
                 return
-            self.said_hello = True
-            wu = srv.warmup(hl)
-            self._reply(lambda: self.send(Envelope(ready=M.pb.Ready(
-                action_dim=srv.action_dim, chunk_size=srv.chunk_size, supports_prefix=srv.supports_prefix,
-                warmup_s=wu))))
+            if self.ready is None:  # a repeated Hello (the robot heard nothing yet) gets the same Ready
+                self.said_hello = True
+                self.ready = Envelope(ready=M.pb.Ready(action_dim=srv.action_dim, chunk_size=srv.chunk_size,
+                                                       supports_prefix=srv.supports_prefix, warmup_s=srv.warmup(hl)))
+            self._reply(lambda: self.send(self.ready))
         elif k == "observation":
             o = env.observation
             if not o.request:

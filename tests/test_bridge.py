@@ -362,6 +362,19 @@ def test_server_rejects_robot_with_other_action_dim():
     robot_end.close()
 
 
+def test_repeated_hello_gets_the_same_ready_without_a_second_warmup():
+    pol = GoalPolicy()
+    calls = []
+    sample = pol.sample
+    pol.sample = lambda obs, generator=None: calls.append(1) or sample(obs, generator)
+    _, _, robot_end, _ = _start_server(pol)
+    for _ in range(2):
+        robot_end.send(M.Envelope(hello=M.pb.Hello(action_dim=D_A, state_dim=D_S, cameras=["agentview"])))
+    a, b = _recv_kind(robot_end, "ready").ready, _recv_kind(robot_end, "ready").ready
+    assert a == b and len(calls) == 1
+    robot_end.close()
+
+
 def test_client_rejects_chunk_of_wrong_dimension():
     robot_end, server_end = InProcTransport.pair(M.Limits(action_dim=D_A), M.Limits())
     arm = KinematicArm()

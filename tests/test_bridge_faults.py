@@ -34,13 +34,15 @@ class Bridge:
     """A policy server (``serve_endpoint`` in a thread) on gRPC or ROS 2 that can be killed and
     restarted on the same address / domain, and robot-side transports to it."""
 
-    def __init__(self, kind: str, limits: SessionLimits | None = None):
+    def __init__(self, kind: str, limits: SessionLimits | None = None, start: bool = True):
         self.kind = kind
         self.limits = limits or SessionLimits(hello_timeout_s=5.0, idle_timeout_s=30.0)
         self.address = "127.0.0.1:0"
         _DOMAIN[0] += 1
         self.domain = _DOMAIN[0]
-        self.start()
+        self.server = None
+        if start:
+            self.start()
 
     def start(self) -> None:
         lim = M.Limits(state_dim=D_S)
@@ -56,6 +58,8 @@ class Bridge:
 
     def kill(self) -> None:
         """The server goes away: no more chunks, heartbeats or sessions."""
+        if self.server is None:
+            return
         self.server.stop()
         self.thread.join(timeout=5)
         if self.kind == "grpc":
@@ -238,6 +242,26 @@ def test_server_killed_and_restarted_robot_reconnects_and_finishes(kind):
     assert rep["episodes_lost"] == [0] and not rep["all_ran"] and rep["gave_up"] is None
     assert len(rep["reconnects"]) == 1 and rep["reconnects"][0]["before_episode"] == 1
     assert rep["reconnects"][0]["connect_s"] < 5.0
+
+
+def test_ros2_hello_is_repeated_until_a_late_server_answers():
+    """A killed ROS 2 server stays discovered until its lease expires: a reconnecting robot's first
+    Hello can go to it alone. Stand-in: an endpoint nobody serves; the real server starts later."""
+    br = Bridge("ros2", start=False)
+    dead = ros2.Ros2Transport("server", domain_id=br.domain, limits=M.Limits(state_dim=D_S))
+    cl = RobotClient(KinematicArm(), br.open(connect_timeout_s=5), ClientConfig(ready_timeout_s=10, hello_retry_s=0.3))
+    try:
+        box = {}
+        th = threading.Thread(target=lambda: box.setdefault("ready", cl.connect()), daemon=True)
+        th.start()
+        time.sleep(0.8)  # the first Hello went to the dead endpoint only
+        br.start()
+        th.join(timeout=5)
+        assert "ready" in box, "no Ready from a server that started after the first Hello"
+    finally:
+        cl.close()
+        dead.close()
+        br.kill()
 
 
 def test_server_that_does_not_come_back_loses_the_remaining_episodes(kind):

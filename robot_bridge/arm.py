@@ -170,12 +170,7 @@ def run_node(arm, transport, episodes: int, client_cfg: ClientConfig | None = No
         stop.set()
         client.flag_failure("interrupted")
 
-    old = {}
-    if threading.current_thread() is threading.main_thread():
-        old[signal.SIGTERM] = signal.signal(signal.SIGTERM, on_term)
-        # operator controls for a headless node: SIGUSR1 = e-stop, SIGUSR2 = flag the episode as failed
-        old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda *_: client.estop("operator signal"))
-        old[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, lambda *_: client.flag_failure("operator"))
+    old = _operator_signals(client, on_term)
     try:
         for i in tqdm(range(episodes), desc="robot episodes", disable=not progress):
             if not client.link_up:
@@ -208,6 +203,17 @@ def run_node(arm, transport, episodes: int, client_cfg: ClientConfig | None = No
             "connect_s": connect_s, "warmup_s": ready.warmup_s, "supports_prefix": ready.supports_prefix,
             "interrupted": interrupted["flag"], "episodes_planned": episodes, "episodes_lost": lost,
             "all_ran": not lost, "reconnects": reconnects, "gave_up": gave_up}
+
+
+def _operator_signals(client: RobotClient, on_term) -> dict:
+    """Install the node's signal handlers (main thread only); returns the previous ones."""
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        old[signal.SIGTERM] = signal.signal(signal.SIGTERM, on_term)
+        # operator controls for a headless node: SIGUSR1 = e-stop, SIGUSR2 = flag the episode as failed
+        old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda *_: client.estop("operator signal"))
+        old[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, lambda *_: client.flag_failure("operator"))
+    return old
 
 
 def _reconnect(client: RobotClient, policy: ReconnectPolicy | None, stop: threading.Event, episode: int,

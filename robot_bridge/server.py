@@ -268,8 +268,8 @@ class PolicyServer:
         try:
             conn.send(M.make_error("busy", f"policy server busy: it serves max_sessions={lim.max_sessions} robots "
                                            f"already; retry later or raise max_sessions"))
-        except Exception:  # the robot may be gone already
-            pass
+        except Exception as e:  # the robot may be gone already
+            log.debug("could not tell a robot it was refused: %s", e)
         _close_quietly(conn)
 
     def send_estop(self, transport, reason: str = "operator") -> None:
@@ -341,7 +341,7 @@ class _Session:
             except M.MessageError as e:
                 self._count(rejected=1)
                 log.warning("rejected message: %s", e)
-                self._reply(lambda: self.error(e.code, e.detail, e.request_id))
+                self._reply(self.error, e.code, e.detail, e.request_id)
                 continue
             except ConnectionError:
                 return "peer"
@@ -352,13 +352,14 @@ class _Session:
                 continue
             why = self._timed_out(now, t0, last)
             if why:
-                self._reply(lambda: self.error("timeout", f"session ended: {why}"))
+                self._reply(self.error, "timeout", f"session ended: {why}")
                 return f"timeout: {why}"
         return "peer"
 
-    def _reply(self, fn) -> None:
+    def _reply(self, fn, *args) -> None:
+        """``fn(*args)`` (a send); a link that went down ends the session."""
         try:
-            fn()
+            fn(*args)
         except (ConnectionError, OSError):
             self.done.set()
 
@@ -375,14 +376,14 @@ class _Session:
         if k == "hello":
             hl = env.hello
             if hl.action_dim and hl.action_dim != srv.action_dim:
-                self._reply(lambda: self.error("invalid", f"robot takes D_a={hl.action_dim} but the policy outputs "
-                                                          f"D_a={srv.action_dim}; serve a policy for this robot"))
+                self._reply(self.error, "invalid", f"robot takes D_a={hl.action_dim} but the policy outputs "
+                                                   f"D_a={srv.action_dim}; serve a policy for this robot")
                 return
             if self.ready is None:  # a repeated Hello (the robot heard nothing yet) gets the same Ready
                 self.said_hello = True
                 self.ready = Envelope(ready=M.pb.Ready(action_dim=srv.action_dim, chunk_size=srv.chunk_size,
                                                        supports_prefix=srv.supports_prefix, warmup_s=srv.warmup(hl)))
-            self._reply(lambda: self.send(self.ready))
+            self._reply(self.send, self.ready)
         elif k == "observation":
             o = env.observation
             if not o.request:
@@ -391,7 +392,7 @@ class _Session:
                 M.validate_observation(o, srv.limits)
             except M.MessageError as e:
                 self._count(rejected=1)
-                self._reply(lambda: self.error(e.code, e.detail, e.request_id))
+                self._reply(self.error, e.code, e.detail, e.request_id)
                 return
             self._count(requests=1)
             self.work.put(o)
@@ -400,7 +401,7 @@ class _Session:
         elif k == "error":
             log.warning("robot reported error: %s", env.error.message)
         elif k != "episode_end":
-            self._reply(lambda: self.error("invalid", f"a policy server does not accept {k!r} messages"))
+            self._reply(self.error, "invalid", f"a policy server does not accept {k!r} messages")
 
     def _worker(self) -> None:
         srv = self.server
@@ -420,7 +421,7 @@ class _Session:
                 self.done.set()
             except Exception as e:  # policy failure: report it, keep serving
                 log.exception("inference failed")
-                self._reply(lambda: self.error("internal", f"inference failed: {e}", o.request_id))
+                self._reply(self.error, "internal", f"inference failed: {e}", o.request_id)
 
     def _heartbeat(self) -> None:
         while not self.done.wait(self.server.heartbeat_s):

@@ -147,13 +147,7 @@ class Ros2Transport:
         self._inbox: queue.Queue = queue.Queue()
         self._closed = False
         self._lock = threading.Lock()
-        self._partial: dict[tuple[str, int], dict] = {}  # (session, stamp) -> parts of an observation
-        self._sessions: dict[str, Ros2Session] = {}
-        self._ended: dict[str, None] = {}
-        self._accepted: queue.Queue = queue.Queue()
-        self._writer_key: dict[int, str] = {}  # publication handle -> participant GUID
-        self._key_handles: dict[str, set[int]] = {}
-        self._tasks: dict[str, str] = {}  # session -> instruction from its Hello (ROS topics carry no text)
+        self._init_sessions()
         cfg = loopback_config() if config is None else config
         with _DOMAINS_LOCK:  # one configured Domain per process and id (Cyclone's rule)
             if cfg and domain_id not in _DOMAINS:
@@ -207,10 +201,17 @@ class Ros2Transport:
         # an entity is deleted, so one collected by Python's GC inside a listener callback (which
         # runs in the writer's thread for local readers) would deadlock.
         _LIVE.add(self)
-        if role == "robot" and connect_timeout_s is not None and not self.wait_for_peer(connect_timeout_s):
-            self.close()
-            raise ConnectionError(f"no ROS 2 policy server on domain {domain_id}, namespace {ns or '/'} within "
-                                  f"{connect_timeout_s:g} s (no reader of {ns}/bridge/to_server discovered)")
+        if role == "robot" and connect_timeout_s is not None:
+            self._require_server(connect_timeout_s, domain_id, ns)
+
+    def _init_sessions(self) -> None:
+        self._partial: dict[tuple[str, int], dict] = {}  # (session, stamp) -> parts of an observation
+        self._sessions: dict[str, Ros2Session] = {}
+        self._ended: dict[str, None] = {}  # ordered: the oldest forgotten first
+        self._accepted: queue.Queue = queue.Queue()
+        self._writer_key: dict[int, str] = {}  # publication handle -> participant GUID
+        self._key_handles: dict[str, set[int]] = {}
+        self._tasks: dict[str, str] = {}  # session -> instruction from its Hello (ROS topics carry no text)
 
     # ------------------------------------------------------------------ plumbing
     def _take(self, fn, r) -> None:
@@ -276,6 +277,12 @@ class Ros2Transport:
                 raise ConnectionError("Ros2Transport is closed") from None
             raise
 
+    def _require_server(self, timeout_s: float, domain_id: int, ns: str) -> None:
+        if not self.wait_for_peer(timeout_s):
+            self.close()
+            raise ConnectionError(f"no ROS 2 policy server on domain {domain_id}, namespace {ns or '/'} within "
+                                  f"{timeout_s:g} s (no reader of {ns}/bridge/to_server discovered)")
+
     def wait_for_peer(self, timeout: float = 5.0) -> bool:
         """Wait until the other side's readers of our control topic are discovered."""
         t_end = time.monotonic() + timeout
@@ -311,7 +318,7 @@ class Ros2Transport:
                             + ("the server serves sessions: use accept()" if role == "robot" else ""))
 
     # ------------------------------------------------------------------ sessions (server)
-    def accept(self, timeout: float | None = None) -> "Ros2Session | None":
+    def accept(self, timeout: float | None = None) -> Ros2Session | None:
         """Server: the session of the next robot heard from, or ``None`` after ``timeout`` s."""
         self._require("server", "accept")
         try:

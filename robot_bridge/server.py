@@ -338,18 +338,17 @@ class _Session:
                 return "stopped"
             try:
                 env = self.transport.recv(timeout=0.05)
-            except M.MessageError as e:
+            except M.MessageError as e:  # answered; not activity (a stream of garbage still times out)
                 self._count(rejected=1)
                 log.warning("rejected message: %s", e)
                 self._reply(self.error, e.code, e.detail, e.request_id)
-                continue
+                env = None
             except ConnectionError:
                 return "peer"
             now = time.monotonic()
             if env is not None and M.kind(env) != "heartbeat":
                 last = now
                 self._handle(env)
-                continue
             why = self._timed_out(now, t0, last)
             if why:
                 self._reply(self.error, "timeout", f"session ended: {why}")

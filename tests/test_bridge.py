@@ -375,6 +375,25 @@ def test_repeated_hello_gets_the_same_ready_without_a_second_warmup():
     robot_end.close()
 
 
+def test_session_without_hello_times_out_even_when_it_sends_garbage():
+    robot_end, server_end = InProcTransport.pair(M.Limits(action_dim=D_A), M.Limits(state_dim=D_S))
+    srv = PolicyServer(GoalPolicy())
+    box = {}
+    th = threading.Thread(target=lambda: box.setdefault("s", srv.serve(server_end, hello_timeout_s=0.3)), daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    while th.is_alive() and time.monotonic() - t0 < 3:
+        robot_end.send_bytes(b"\x0a\xff garbage")  # rejected, answered, but not activity
+        time.sleep(0.02)
+    th.join(timeout=1)
+    assert not th.is_alive() and box["s"]["ended"].startswith("timeout: no Hello within hello_timeout_s=0.3")
+    assert time.monotonic() - t0 < 1.5 and box["s"]["rejected"] > 3
+    codes = []
+    while (env := robot_end.recv(timeout=0.05)) is not None:
+        codes.append(env.error.code if M.kind(env) == "error" else M.kind(env))
+    assert "timeout" in codes and "malformed" in codes
+
+
 def test_client_rejects_chunk_of_wrong_dimension():
     robot_end, server_end = InProcTransport.pair(M.Limits(action_dim=D_A), M.Limits())
     arm = KinematicArm()

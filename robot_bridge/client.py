@@ -151,6 +151,38 @@ class ReconnectPolicy:
         return min(self.backoff_s * 2.0 ** min(retry, 60), self.backoff_max_s)
 
 
+def with_retry(fn: Callable[[], Any], policy: ReconnectPolicy | None = None, stop: threading.Event | None = None):
+    """``fn()`` retried per ``policy`` (default: no retry) while ``stop`` is not set, after a
+    ``ConnectionError`` or ``TimeoutError``; each failed try is logged in one line (what failed,
+    when the next try is). Returns what ``fn`` returned.
+
+    Raises:
+        ConnectionError: the last failure (with the number of tries when there were several),
+            once the policy gives up or ``stop`` was set.
+    """
+    pol = policy or ReconnectPolicy(attempts=0)
+    t_first = None
+    retry = 0
+    while True:
+        try:
+            return fn()
+        except (ConnectionError, TimeoutError) as e:
+            err = str(e)
+        now = time.monotonic()
+        t_first = now if t_first is None else t_first
+        wait = pol.wait_s(retry)
+        late = pol.give_up_after_s is not None and now + wait - t_first > pol.give_up_after_s
+        if retry >= pol.attempts or late or (stop is not None and stop.is_set()):
+            tries = f"; gave up after {retry + 1} attempts in {now - t_first:.1f} s" if retry else ""
+            raise ConnectionError(err + tries)
+        retry += 1
+        log.warning("%s; retry %d of %d in %.1f s", err, retry, pol.attempts, wait)
+        if stop is not None:
+            stop.wait(wait)
+        else:
+            time.sleep(wait)
+
+
 def episode_ran(label: str) -> bool:
     """Whether an episode with this failure label ran to completion: a success (``""``), a task
     failure (``timeout``, ``critic``) or an operator's verdict (``operator:<label>``); not one cut
@@ -311,33 +343,13 @@ class RobotClient:
 
     def connect_with_retry(self, policy: ReconnectPolicy | None = None,
                            stop: threading.Event | None = None) -> M.pb.Ready:
-        """:meth:`connect`, retried per ``policy`` (default: no retry) while ``stop`` is not set.
-        Each failed try is logged in one line (what failed, when the next try is).
+        """:meth:`connect`, retried per ``policy`` (default: no retry) while ``stop`` is not set
+        (:func:`with_retry`).
 
         Raises:
             ConnectionError: the last failure, once the policy gives up (or ``stop`` was set).
         """
-        pol = policy or ReconnectPolicy(attempts=0)
-        t_first = None
-        retry = 0
-        while True:
-            try:
-                return self.connect()
-            except (ConnectionError, TimeoutError) as e:
-                err = str(e)
-            now = time.monotonic()
-            t_first = now if t_first is None else t_first
-            wait = pol.wait_s(retry)
-            late = pol.give_up_after_s is not None and now + wait - t_first > pol.give_up_after_s
-            if retry >= pol.attempts or late or (stop is not None and stop.is_set()):
-                tries = f"; gave up after {retry + 1} attempts in {now - t_first:.1f} s" if retry else ""
-                raise ConnectionError(err + tries)
-            retry += 1
-            log.warning("%s; retry %d of %d in %.1f s", err, retry, pol.attempts, wait)
-            if stop is not None:
-                stop.wait(wait)
-            else:
-                time.sleep(wait)
+        return with_retry(self.connect, policy, stop)
 
     def drop_link(self) -> None:
         """Close the current link (threads and transport); the next :meth:`connect` opens another."""

@@ -327,3 +327,4 @@ def test_robot_without_server_says_so_in_one_line(transport, tmp_path):
     assert f"wmrl serve transport={transport}" in err[0]  # what to start / change
     assert "Traceback" not in proc.stdout + proc.stderr and "Error executing job" not in proc.stdout + proc.stderr
     assert elapsed < 5.0, f"{elapsed:.1f} s to say there is no server"
+    assert not (tmp_path / "episodes").exists()  # no empty EpisodeStore left behind

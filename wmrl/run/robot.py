@@ -34,7 +34,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from robot_bridge.arm import ChunkEnvArm, EpisodeRecorder, run_node
-from robot_bridge.client import ClientConfig, ReconnectPolicy
+from robot_bridge.client import ClientConfig, ReconnectPolicy, with_retry
 from robot_bridge.messages import Limits
 from robot_bridge.safety import SafetyLimits
 from wmrl.run.common import RunContext, run_main
@@ -140,21 +140,27 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     tuned = tune_process(cfg.process.get("nice"), cfg.process.get("switch_interval_s"))
     arm, action_space, embodiment = build_arm(cfg)
     limits = Limits(action_dim=arm.action_dim)
-    transport, factory = None, None
-    if cfg.transport.kind == "inproc":
-        transport, _ = start_inproc_server(cfg, ctx, limits)
-    else:
-        factory = transport_factory(cfg, arm, limits)
-    store_path = ctx.path(cfg.store) if cfg.get("store") else ctx.out_dir / "episodes"
-    store = EpisodeStore.open_or_create(
-        store_path, cameras={c: tuple(arm.image_size) for c in arm.cameras}, state_dim=arm.state_dim,
-        action_dim=arm.action_dim, fps=float(cfg.control.control_hz), action_space=action_space,
-        embodiment=embodiment, source="robot_bridge")
     client_cfg = ClientConfig(**OmegaConf.to_container(cfg.control, resolve=True))
     safety = SafetyLimits(**OmegaConf.to_container(cfg.safety, resolve=True))
+    critic = build_critic(cfg, ctx)
+    factory, reconnect = None, reconnect_policy(cfg)
+    if cfg.transport.kind == "inproc":
+        transport, _ = start_inproc_server(cfg, ctx, limits)
+    else:  # reach the server before the store is created (a missing one leaves nothing behind)
+        factory = transport_factory(cfg, arm, limits)
+        transport = with_retry(factory, reconnect)
+    store_path = ctx.path(cfg.store) if cfg.get("store") else ctx.out_dir / "episodes"
+    try:
+        store = EpisodeStore.open_or_create(
+            store_path, cameras={c: tuple(arm.image_size) for c in arm.cameras}, state_dim=arm.state_dim,
+            action_dim=arm.action_dim, fps=float(cfg.control.control_hz), action_space=action_space,
+            embodiment=embodiment, source="robot_bridge")
+    except BaseException:
+        transport.close()
+        raise
     recorder = EpisodeRecorder(store)
     summary = run_node(arm, transport, int(cfg.episodes), client_cfg, safety=safety, recorder=recorder,
-                       critic=build_critic(cfg, ctx), transport_factory=factory, reconnect=reconnect_policy(cfg))
+                       critic=critic, transport_factory=factory, reconnect=reconnect)
     summary["store"] = str(store_path)
     summary["recorded"] = recorder.indices
     summary["transport"] = cfg.transport.kind

@@ -5,16 +5,19 @@ Pieces (each module's docstring has the details):
 
 * ``messages`` / ``proto/bridge.proto``: typed protobuf messages (observation with chunk request
   and real-time-chunking prefix, action chunk, hello/ready, heartbeat, e-stop, episode end, error),
-  size limits and validation; malformed, oversized or wrong-dimension messages are rejected with an
-  ``Error`` reply while the link stays up. No pickle anywhere.
+  size limits and validation; malformed, oversized, wrong-dimension or non-finite / out-of-range
+  messages (the real-time-chunking prefix included) are rejected with an ``Error`` reply while the
+  link stays up. No pickle anywhere.
 * ``queue``: actions keyed by control step; latency-aware merge (stale actions skipped).
 * ``rtc``: real-time chunking for flow policies (Black et al. 2025): the new chunk is guided to
   continue the committed prefix.
 * ``safety``: command clipping (range, rate, workspace box) and the server watchdog.
 * ``client``: :class:`RobotClient`, the fixed-rate control loop (requests early, never blocks the
-  tick on I/O, holds when dry, stops on e-stop or watchdog, records the episode).
+  tick on I/O, holds when dry, stops on e-stop or watchdog, records the episode); reopens the link
+  with exponential backoff between episodes when the server went away.
 * ``server``: :class:`PolicyServer` (warm-up before ``Ready``, every request answered, inference
-  off the receive thread, heartbeats, injectable inference delay).
+  off the receive thread, heartbeats, injectable inference delay); one session per robot
+  connection, up to ``max_sessions`` at once, ``[busy]`` beyond, ``[timeout]`` for silent ones.
 * ``transports``: in-process, gRPC bidirectional stream, ROS 2 over Cyclone DDS (ROS topic and
   type names, byte layout equal to rosbags' CDR, loopback-only configuration for tests).
 * ``arm``: :class:`ChunkEnvArm` (a one-slot ``ChunkEnv`` as the robot), the episode recorder and

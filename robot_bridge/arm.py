@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from robot_bridge.client import ClientConfig, EpisodeResult, RobotClient
+from robot_bridge.client import ClientConfig, EpisodeResult, ReconnectPolicy, RobotClient, episode_ran
 from robot_bridge.safety import SafetyLimits
 from wmrl.types import Start
 
@@ -128,39 +128,55 @@ class EpisodeRecorder:
 
 def run_node(arm, transport, episodes: int, client_cfg: ClientConfig | None = None,
              safety: SafetyLimits | None = None, recorder: EpisodeRecorder | None = None,
-             critic: Callable | None = None, progress: bool = True) -> dict:
+             critic: Callable | None = None, progress: bool = True,
+             transport_factory: Callable | None = None, reconnect: ReconnectPolicy | None = None) -> dict:
     """Connect to the policy server and run ``episodes`` episodes of ``arm`` in real time,
     recording each (also failed, e-stopped and watchdog-stopped ones) with ``recorder``.
+
+    ``transport``: the first link (``None``: open it with ``transport_factory``). When the server
+    goes away the episode under way is stopped by the watchdog and recorded as ``watchdog``; the
+    node then reopens the link with ``transport_factory`` per ``reconnect`` (default: no retry)
+    and runs the remaining episodes; if the server does not come back, they are not run.
 
     SIGTERM ends the current episode as failed (label ``operator:interrupted``), records it and
     stops; SIGUSR1 is an e-stop (the arm stops at once, the episode is recorded as ``estop``);
     SIGUSR2 flags the current episode as an operator failure (``operator:operator``).
 
-    Returns a summary dict: per-episode outcome, starvation, latencies, time to first action.
+    Returns a summary dict: per-episode outcome, starvation, latencies, time to first action;
+    ``episodes_lost`` (indices of the episodes that did not run to completion, see
+    :func:`robot_bridge.client.episode_ran`, or did not run at all), ``all_ran``, ``reconnects``
+    (one row per reopened link: after which episode, seconds to ``Ready``) and ``gave_up`` (the
+    last connection error when the server did not come back, else ``None``).
+
+    Raises:
+        ConnectionError: no link could be opened at start (the policy's retries exhausted).
     """
     from tqdm import tqdm
 
-    client = RobotClient(arm, transport, client_cfg, safety=safety, critic=critic)
+    client = RobotClient(arm, transport, client_cfg, safety=safety, critic=critic,
+                         transport_factory=transport_factory)
+    stop = threading.Event()
     t0 = time.monotonic()
-    ready = client.connect()
+    ready = client.connect_with_retry(reconnect, stop)
     connect_s = time.monotonic() - t0
     log.info("connected to the policy server: chunk_size=%d warm-up %.2f s, RTC %s", ready.chunk_size,
              ready.warmup_s, "on" if ready.supports_prefix else "off")
-    rows = []
+    rows, reconnects = [], []
+    gave_up = None
     interrupted = {"flag": False}
 
     def on_term(signum, frame):  # noqa: ARG001
         interrupted["flag"] = True
+        stop.set()
         client.flag_failure("interrupted")
 
-    old = {}
-    if threading.current_thread() is threading.main_thread():
-        old[signal.SIGTERM] = signal.signal(signal.SIGTERM, on_term)
-        # operator controls for a headless node: SIGUSR1 = e-stop, SIGUSR2 = flag the episode as failed
-        old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda *_: client.estop("operator signal"))
-        old[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, lambda *_: client.flag_failure("operator"))
+    old = _operator_signals(client, on_term)
     try:
         for i in tqdm(range(episodes), desc="robot episodes", disable=not progress):
+            if not client.link_up:
+                gave_up = _reconnect(client, reconnect, stop, i, reconnects)
+                if gave_up is not None:
+                    break
             if hasattr(arm, "reset_episode"):
                 arm.reset_episode(i)
             elif hasattr(arm, "reset"):
@@ -170,26 +186,60 @@ def run_node(arm, transport, episodes: int, client_cfg: ClientConfig | None = No
             except KeyboardInterrupt:
                 interrupted["flag"] = True
                 raise
-            idx = recorder.record(res) if recorder is not None else None
-            lat = np.asarray(res.latencies_s) if res.latencies_s else np.zeros(0)
-            ticks_after = max(0, res.steps - int(np.argmax(res.episode.extras["starved"] == 0))) if res.steps else 0
-            rows.append({"episode": i, "store_index": idx, "task": arm.task_name, "success": res.success,
-                         "failure_label": res.failure_label, "steps": res.steps,
-                         "starved_after_first": res.starved_after_first, "ticks_after_first": ticks_after,
-                         "starvation_rate": res.starved_after_first / max(1, ticks_after),
-                         "time_to_first_action_s": res.time_to_first_action_s,
-                         "latency_p50_ms": float(np.percentile(lat, 50) * 1e3) if lat.size else None,
-                         "latency_p99_ms": float(np.percentile(lat, 99) * 1e3) if lat.size else None,
-                         "overruns": res.stats.get("overruns", 0), "stopped_at_s": res.stopped_at_s})
-            if interrupted["flag"] or res.failure_label in ("watchdog", "estop"):
+            rows.append(_episode_row(i, arm, res, recorder.record(res) if recorder is not None else None))
+            if interrupted["flag"] or res.failure_label == "estop":
                 break
+            if res.failure_label == "watchdog":
+                client.drop_link()  # the server went silent: a fresh link before the next episode
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
         client.close()
     n = len(rows)
     total_after = sum(r["ticks_after_first"] for r in rows)
+    lost = [r["episode"] for r in rows if not episode_ran(r["failure_label"])] + list(range(n, episodes))
     return {"episodes": rows, "num_episodes": n, "success_rate": sum(r["success"] for r in rows) / max(1, n),
             "starvation_rate": sum(r["starved_after_first"] for r in rows) / max(1, total_after),
             "connect_s": connect_s, "warmup_s": ready.warmup_s, "supports_prefix": ready.supports_prefix,
-            "interrupted": interrupted["flag"]}
+            "interrupted": interrupted["flag"], "episodes_planned": episodes, "episodes_lost": lost,
+            "all_ran": not lost, "reconnects": reconnects, "gave_up": gave_up}
+
+
+def _operator_signals(client: RobotClient, on_term) -> dict:
+    """Install the node's signal handlers (main thread only); returns the previous ones."""
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        old[signal.SIGTERM] = signal.signal(signal.SIGTERM, on_term)
+        # operator controls for a headless node: SIGUSR1 = e-stop, SIGUSR2 = flag the episode as failed
+        old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda *_: client.estop("operator signal"))
+        old[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, lambda *_: client.flag_failure("operator"))
+    return old
+
+
+def _reconnect(client: RobotClient, policy: ReconnectPolicy | None, stop: threading.Event, episode: int,
+               reconnects: list[dict]) -> str | None:
+    """Reopen the link before ``episode``; appends a row to ``reconnects`` and returns ``None``, or
+    returns the error once the policy gave up."""
+    t0 = time.monotonic()
+    log.warning("link to the policy server lost; reconnecting before episode %d", episode)
+    try:
+        client.connect_with_retry(policy, stop)
+    except ConnectionError as e:
+        log.error("policy server did not come back (%s); episodes %d.. not run", e, episode)
+        return str(e)
+    reconnects.append({"before_episode": episode, "connect_s": time.monotonic() - t0})
+    log.info("reconnected to the policy server in %.2f s", reconnects[-1]["connect_s"])
+    return None
+
+
+def _episode_row(i: int, arm, res: EpisodeResult, store_index: int | None) -> dict:
+    lat = np.asarray(res.latencies_s) if res.latencies_s else np.zeros(0)
+    ticks_after = max(0, res.steps - int(np.argmax(res.episode.extras["starved"] == 0))) if res.steps else 0
+    return {"episode": i, "store_index": store_index, "task": arm.task_name, "success": res.success,
+            "failure_label": res.failure_label, "steps": res.steps,
+            "starved_after_first": res.starved_after_first, "ticks_after_first": ticks_after,
+            "starvation_rate": res.starved_after_first / max(1, ticks_after),
+            "time_to_first_action_s": res.time_to_first_action_s,
+            "latency_p50_ms": float(np.percentile(lat, 50) * 1e3) if lat.size else None,
+            "latency_p99_ms": float(np.percentile(lat, 99) * 1e3) if lat.size else None,
+            "overruns": res.stats.get("overruns", 0), "stopped_at_s": res.stopped_at_s}

@@ -17,6 +17,14 @@ simulator slower than real time runs at its own pace instead of racing to catch 
 A receiver thread merges arriving chunks into the queue (latency-aware: stale actions skipped)
 and measures the observation-to-command latency of each chunk (arrival in the queue minus the
 observation's capture time minus the server's reported inference time).
+
+Links. :meth:`RobotClient.connect` opens one link (transport, sender and receiver threads,
+``Hello`` / ``Ready``); a link ends when the transport reports the peer gone, when the server
+ends the session (``Error`` ``[busy]`` or ``[timeout]``), or after a watchdog stop. An episode
+never resumes on a new link: the watchdog stops it (hold, then stop) and it is recorded as
+``watchdog``; :meth:`RobotClient.connect_with_retry` then opens a new link through the
+``transport_factory`` with exponential backoff (:class:`ReconnectPolicy`) before the next
+episode. :func:`episode_ran` tells whether an episode ran to completion.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -86,6 +94,10 @@ class ClientConfig:
         silence_hold_s: hold (stop consuming queued actions) when the server is silent this long
             (default ``watchdog_s / 2``; the server heart-beats every 0.1 s).
         ready_timeout_s: how long ``connect`` waits for ``Ready`` (the server's warm-up).
+        hello_retry_s: ``connect`` sends ``Hello`` again after this long while nothing at all was
+            heard from the server (a ROS 2 server that was discovered only after the first
+            ``Hello``, e.g. restarted, never saw it; a server answers a repeated ``Hello`` with
+            the same ``Ready``).
         request_timeout_s: re-request when a request is unanswered this long.
         max_steps: episode length limit (control steps).
         stop_on_success: end the episode when the success predicate holds.
@@ -100,9 +112,100 @@ class ClientConfig:
     watchdog_s: float = 0.5
     silence_hold_s: float | None = None
     ready_timeout_s: float = 30.0
+    hello_retry_s: float = 1.0
     request_timeout_s: float = 2.0
     max_steps: int = 400
     stop_on_success: bool = True
+
+
+@dataclass
+class ReconnectPolicy:
+    """When and how often :meth:`RobotClient.connect_with_retry` tries to (re)open the link to the
+    policy server: at start, after the server went away, or when it answered ``[busy]``.
+
+    Attributes:
+        attempts: tries after the first failed one (0: give up at once).
+        backoff_s: wait before the first retry (s); each further wait doubles ...
+        backoff_max_s: ... up to this (s).
+        give_up_after_s: no retry starts later than this after the first failure (s); ``None``:
+            only ``attempts`` bounds the retries.
+
+    Raises:
+        ValueError: a negative ``attempts`` or wait, or ``backoff_max_s < backoff_s``.
+    """
+
+    attempts: int = 8
+    backoff_s: float = 0.5
+    backoff_max_s: float = 5.0
+    give_up_after_s: float | None = 60.0
+
+    def __post_init__(self):
+        if self.attempts < 0 or self.backoff_s < 0 or self.backoff_max_s < self.backoff_s:
+            raise ValueError(f"ReconnectPolicy needs attempts >= 0 and 0 <= backoff_s <= backoff_max_s, got "
+                             f"attempts={self.attempts}, backoff_s={self.backoff_s}, backoff_max_s={self.backoff_max_s}")
+        if self.give_up_after_s is not None and self.give_up_after_s < 0:
+            raise ValueError(f"give_up_after_s must be >= 0 s or None, got {self.give_up_after_s}")
+
+    def wait_s(self, retry: int) -> float:
+        """Wait before retry number ``retry`` (0-based): ``min(backoff_s * 2**retry, backoff_max_s)``."""
+        return min(self.backoff_s * 2.0 ** min(retry, 60), self.backoff_max_s)
+
+
+def with_retry(fn: Callable[[], Any], policy: ReconnectPolicy | None = None, stop: threading.Event | None = None):
+    """``fn()`` retried per ``policy`` (default: no retry) while ``stop`` is not set, after a
+    ``ConnectionError`` or ``TimeoutError``; each failed try is logged in one line (what failed,
+    when the next try is). Returns what ``fn`` returned.
+
+    Raises:
+        ConnectionError: the last failure (with the number of tries when there were several),
+            once the policy gives up or ``stop`` was set.
+    """
+    pol = policy or ReconnectPolicy(attempts=0)
+    t_first = None
+    retry = 0
+    while True:
+        try:
+            return fn()
+        except (ConnectionError, TimeoutError) as e:
+            err = str(e)
+        now = time.monotonic()
+        t_first = now if t_first is None else t_first
+        wait = pol.wait_s(retry)
+        late = pol.give_up_after_s is not None and now + wait - t_first > pol.give_up_after_s
+        if retry >= pol.attempts or late or (stop is not None and stop.is_set()):
+            tries = f"; gave up after {retry + 1} attempts in {now - t_first:.1f} s" if retry else ""
+            raise ConnectionError(err + tries)
+        retry += 1
+        log.warning("%s; retry %d of %d in %.1f s", err, retry, pol.attempts, wait)
+        if stop is not None:
+            stop.wait(wait)
+        else:
+            time.sleep(wait)
+
+
+def episode_ran(label: str) -> bool:
+    """Whether an episode with this failure label ran to completion: a success (``""``), a task
+    failure (``timeout``, ``critic``) or an operator's verdict (``operator:<label>``); not one cut
+    short by the watchdog, an e-stop or an interruption (``operator:interrupted``)."""
+    if label in ("", "timeout", "critic"):
+        return True
+    return label.startswith("operator:") and label != "operator:interrupted"
+
+
+class _Link:
+    """One connection to the policy server: its transport, outbox and I/O threads."""
+
+    def __init__(self, transport):
+        self.transport = transport
+        self.outbox: queue.Queue = queue.Queue()
+        self.closing = threading.Event()
+        self.down = threading.Event()
+        self.ready = threading.Event()
+        self.heard = threading.Event()  # any message (or a rejected one) came from the server
+        self.ready_msg: M.pb.Ready | None = None
+        self.ended = ""  # the server's reason when it ended the session ([busy], [timeout])
+        self.end_reason = ""  # the transport's, when it reported the peer gone
+        self.threads: list[threading.Thread] = []
 
 
 @dataclass
@@ -132,17 +235,25 @@ class RobotClient:
 
     Args:
         robot: a :class:`RobotInterface`.
-        transport: a ``wmrl.interfaces.Transport`` connected to a ``PolicyServer``.
+        transport: a ``wmrl.interfaces.Transport`` connected to a ``PolicyServer``, used by the
+            first :meth:`connect`; ``None``: the first link comes from ``transport_factory``.
         config: :class:`ClientConfig`.
         safety: :class:`SafetyLimits` (default: the ``[-1, 1]`` command range).
         critic: optional ``(proprio, images) -> success probability`` used for the outcome when
             the success predicate is false (the label becomes ``critic`` when it disagrees).
+        transport_factory: ``() -> Transport`` opening a new link to the server (raising
+            ``ConnectionError`` when it cannot be reached); ``None``: no reconnection.
     """
 
-    def __init__(self, robot: RobotInterface, transport, config: ClientConfig | None = None,
-                 safety: SafetyLimits | None = None, critic: Callable | None = None):
+    def __init__(self, robot: RobotInterface, transport=None, config: ClientConfig | None = None,
+                 safety: SafetyLimits | None = None, critic: Callable | None = None,
+                 transport_factory: Callable[[], Any] | None = None):
+        if transport is None and transport_factory is None:
+            raise ValueError("RobotClient needs a transport or a transport_factory")
         self.robot = robot
         self.transport = transport
+        self.transport_factory = transport_factory
+        self._unused = transport  # the given transport, until the first connect() takes it
         self.cfg = config or ClientConfig()
         self.dt = 1.0 / self.cfg.control_hz
         self.safety = SafetyFilter(safety or SafetyLimits(), robot.action_dim)
@@ -150,13 +261,10 @@ class RobotClient:
         self.queue = ActionQueue(robot.action_dim, self.cfg.merge)
         self.watchdog = Watchdog(self.cfg.watchdog_s)
         self.ready: M.pb.Ready | None = None
-        self._ready_evt = threading.Event()
         self._estop = threading.Event()
         self._estop_reason = ""
         self._operator_label = ""
-        self._link_down = threading.Event()
-        self._closing = threading.Event()
-        self._outbox: queue.Queue = queue.Queue()
+        self._link: _Link | None = None
         self._lock = threading.Lock()
         self._episode = 0
         self._next_step = 0
@@ -169,91 +277,162 @@ class RobotClient:
         self._chunk_ids: dict[int, int] = {}
         self.errors: list[tuple[str, str]] = []  # (code, message) received from the server
         self.rejected: list[str] = []  # messages from the server we rejected
-        self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ connection
+    @property
+    def link_up(self) -> bool:
+        """A link is open, ``Ready`` was received, neither side ended it and the server has not
+        been silent for longer than the watchdog allows."""
+        return (self._link is not None and self.ready is not None and not self._link.down.is_set()
+                and not self.watchdog.expired())
+
     def connect(self) -> M.pb.Ready:
-        """Start the I/O threads, send ``Hello`` and wait for ``Ready`` (after server warm-up).
+        """Open a link (the given transport the first time, else one from ``transport_factory``),
+        send ``Hello`` and wait for ``Ready`` (after the server's warm-up). A link still open is
+        closed first.
 
         Raises:
             TimeoutError: no ``Ready`` within ``ready_timeout_s``.
-            ConnectionError: the server rejected the hello (e.g. action-dim mismatch).
+            ConnectionError: the server cannot be reached, rejected the hello (e.g. action-dim
+                mismatch), is busy, or the link went down before ``Ready``.
         """
-        self._threads = [threading.Thread(target=self._recv_loop, daemon=True, name="client-recv"),
-                         threading.Thread(target=self._send_loop, daemon=True, name="client-send")]
-        for t in self._threads:
+        self.drop_link()
+        transport, self._unused = self._unused, None
+        if transport is None:
+            if self.transport_factory is None:
+                raise ConnectionError("the link to the policy server is closed and this RobotClient has no "
+                                      "transport_factory to open another")
+            transport = self.transport_factory()
+        self.transport = transport
+        self._link = link = _Link(transport)
+        link.threads = [threading.Thread(target=self._recv_loop, args=(link,), daemon=True, name="client-recv"),
+                        threading.Thread(target=self._send_loop, args=(link,), daemon=True, name="client-send")]
+        for t in link.threads:
             t.start()
-        r = self.robot
-        h, w = r.image_size
-        self._outbox.put(M.Envelope(hello=M.pb.Hello(
-            robot=type(r).__name__, action_dim=r.action_dim, state_dim=r.state_dim, cameras=list(r.cameras),
-            control_hz=self.cfg.control_hz, image_height=h, image_width=w, task=r.task)))
-        t0 = time.monotonic()
-        while not self._ready_evt.wait(0.05):
-            if self.errors and self.errors[-1][0] == "invalid":
-                raise ConnectionError(f"server rejected the robot: {self.errors[-1][1]}")
-            if self._link_down.is_set():
-                raise ConnectionError("link to the policy server went down before Ready")
-            if time.monotonic() - t0 > self.cfg.ready_timeout_s:
-                raise TimeoutError(f"no Ready from the policy server within {self.cfg.ready_timeout_s} s")
+        try:
+            self.ready = self._handshake(link)
+        except BaseException:
+            self.drop_link()
+            raise
         self.watchdog.kick()
         return self.ready
 
-    def close(self) -> None:
-        self._closing.set()
-        self._outbox.put(None)
-        for t in self._threads:
+    def _handshake(self, link: _Link) -> M.pb.Ready:
+        r = self.robot
+        h, w = r.image_size
+        n_err = len(self.errors)
+        hello = M.Envelope(hello=M.pb.Hello(
+            robot=type(r).__name__, action_dim=r.action_dim, state_dim=r.state_dim, cameras=list(r.cameras),
+            control_hz=self.cfg.control_hz, image_height=h, image_width=w, task=r.task))
+        link.outbox.put(hello)
+        t0 = t_hello = time.monotonic()
+        while not link.ready.wait(0.05):
+            if not link.heard.is_set() and time.monotonic() - t_hello > self.cfg.hello_retry_s:
+                link.outbox.put(hello)
+                t_hello = time.monotonic()
+            invalid = [m for c, m in self.errors[n_err:] if c == "invalid"]
+            if invalid:
+                raise ConnectionError(f"server rejected the robot: {invalid[0]}")
+            if link.down.is_set():
+                raise ConnectionError(f"policy server ended the session: {link.ended}" if link.ended else
+                                      f"link to the policy server went down before Ready "
+                                      f"({link.end_reason or 'no reason given'})")
+            if time.monotonic() - t0 > self.cfg.ready_timeout_s:
+                raise TimeoutError(f"no Ready from the policy server within {self.cfg.ready_timeout_s} s")
+        return link.ready_msg
+
+    def connect_with_retry(self, policy: ReconnectPolicy | None = None,
+                           stop: threading.Event | None = None) -> M.pb.Ready:
+        """:meth:`connect`, retried per ``policy`` (default: no retry) while ``stop`` is not set
+        (:func:`with_retry`).
+
+        Raises:
+            ConnectionError: the last failure, once the policy gives up (or ``stop`` was set).
+        """
+        return with_retry(self.connect, policy, stop)
+
+    def drop_link(self) -> None:
+        """Close the current link (threads and transport); the next :meth:`connect` opens another."""
+        link, self._link = self._link, None
+        self.ready = None
+        if link is None:
+            return
+        link.closing.set()
+        link.outbox.put(None)
+        for t in link.threads:
             t.join(timeout=1.0)
         try:
-            self.transport.close()
+            link.transport.close()
         except Exception:  # pragma: no cover
             pass
 
-    def _send_loop(self) -> None:
-        while not self._closing.is_set():
-            env = self._outbox.get()
+    def close(self) -> None:
+        """Close the link (and the given transport if no link was opened with it)."""
+        self.drop_link()
+        if self._unused is not None:
+            self._unused.close()
+            self._unused = None
+
+    def _post(self, env: M.Envelope) -> None:
+        """Hand ``env`` to the sender thread of the current link (dropped when there is none)."""
+        link = self._link
+        if link is not None:
+            link.outbox.put(env)
+
+    def _send_loop(self, link: _Link) -> None:
+        while not link.closing.is_set():
+            env = link.outbox.get()
             if env is None:
                 return
             try:
-                self.transport.send(env)
-            except (ConnectionError, OSError) as e:
-                log.warning("send failed, link down: %s", e)
-                self._link_down.set()
-                return
+                link.transport.send(env)
             except M.MessageError as e:
                 log.error("not sent: %s", e)
+            except Exception as e:  # ConnectionError, OSError, or a transport torn down under the sender
+                log.warning("send failed, link down: %s", e)
+                link.down.set()
+                return
 
-    def _recv_loop(self) -> None:
-        while not self._closing.is_set():
+    def _recv_loop(self, link: _Link) -> None:
+        while not link.closing.is_set():
             try:
-                env = self.transport.recv(timeout=0.05)
+                env = link.transport.recv(timeout=0.05)
             except M.MessageError as e:
                 self.rejected.append(str(e))
+                link.heard.set()
                 self.watchdog.kick()  # the server is alive, it sent something
-                self._outbox.put(M.make_error(e))
+                link.outbox.put(M.make_error(e))
                 with self._lock:
                     if self._outstanding and e.request_id == self._outstanding[0]:
                         self._outstanding = None
                 continue
-            except (ConnectionError, OSError):
-                self._link_down.set()
+            except (ConnectionError, OSError) as e:
+                link.end_reason = str(e)
+                link.down.set()
                 return
             if env is None:
                 continue
+            link.heard.set()
             self.watchdog.kick()
-            k = M.kind(env)
-            if k == "chunk":
-                self._on_chunk(env.chunk)
-            elif k == "ready":
-                self.ready = env.ready
-                self._ready_evt.set()
-            elif k == "estop":
-                self.estop(f"server: {env.estop.reason}")
-            elif k == "error":
-                self.errors.append((env.error.code, env.error.message))
-                with self._lock:
-                    if self._outstanding and env.error.request_id == self._outstanding[0]:
-                        self._outstanding = None
+            self._on_message(link, env)
+
+    def _on_message(self, link: _Link, env: M.Envelope) -> None:
+        k = M.kind(env)
+        if k == "chunk":
+            self._on_chunk(env.chunk)
+        elif k == "ready":
+            link.ready_msg = env.ready
+            link.ready.set()
+        elif k == "estop":
+            self.estop(f"server: {env.estop.reason}")
+        elif k == "error":
+            self.errors.append((env.error.code, env.error.message))
+            if env.error.code in ("busy", "timeout"):  # the server ended this session
+                link.ended = f"[{env.error.code}] {env.error.message}"
+                link.down.set()
+            with self._lock:
+                if self._outstanding and env.error.request_id == self._outstanding[0]:
+                    self._outstanding = None
 
     def _on_chunk(self, c: M.pb.ActionChunk) -> None:
         t_arrive = M.now_ns()
@@ -293,7 +472,7 @@ class RobotClient:
     def run_episode(self, episode: int = 0, max_steps: int | None = None) -> EpisodeResult:
         """Run one episode in real time (blocking) and return its record (also on faults)."""
         if self.ready is None:
-            raise RuntimeError("call connect() before run_episode()")
+            raise RuntimeError("call connect() before run_episode() (and again after drop_link())")
         r = self.robot
         max_steps = max_steps or self.cfg.max_steps
         self._episode = episode
@@ -355,7 +534,7 @@ class RobotClient:
                     env = M.make_observation(episode=episode, step=step, proprio=proprio, images=images, task=r.task,
                                              request=True, request_id=rid, prefix_actions=prefix)
                     env.observation.delay_steps = delay
-                    self._outbox.put(env)
+                    self._post(env)
                     stats["requests"] += 1
                 with self._lock:
                     a, cid = self.queue.pop(step)
@@ -411,11 +590,7 @@ class RobotClient:
             failure = "critic" if p < 0.5 else "timeout"
         if not success and not failure:
             failure = "unknown"
-        try:
-            self._outbox.put(M.Envelope(episode_end=M.pb.EpisodeEnd(episode=episode, success=success,
-                                                                     failure_label=failure)))
-        except Exception:  # pragma: no cover
-            pass
+        self._post(M.Envelope(episode_end=M.pb.EpisodeEnd(episode=episode, success=success, failure_label=failure)))
         T = len(rec_act)
         D_s, D_a = r.state_dim, r.action_dim
         h, w = r.image_size

@@ -9,6 +9,11 @@ Validation raises :class:`MessageError` (a ``ValueError``) with a ``code``:
 do not parse as an ``Envelope``, or an empty envelope) and ``"invalid"`` (parses, but shapes or
 values are wrong, e.g. an action chunk whose ``action_dim`` differs from the robot's ``D_a``).
 The receiver answers with an ``Error`` envelope and keeps the connection up.
+
+Every numeric field is checked: float vectors (proprio, the real-time-chunking prefix, chunk
+actions) must be finite with ``|value| <= Limits.max_abs_value``; counts, sizes and steps must
+lie in their ranges (a prefix no longer than the chunk, ``delay_steps <= prefix_len``, a
+``Hello``'s image size and camera count within the image limits, times finite and ``>= 0``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ Envelope = pb.Envelope
 __all__ = [
     "Envelope", "pb", "MessageError", "Limits", "now_ns", "encode", "decode", "kind",
     "make_observation", "observation_arrays", "make_chunk", "chunk_array", "make_error",
-    "validate_observation", "validate_chunk",
+    "validate", "validate_observation", "validate_prefix", "validate_chunk", "validate_hello", "validate_ready",
+    "check_values",
 ]
 
 
@@ -52,8 +58,14 @@ class Limits:
         max_cameras: most images in one observation.
         max_horizon: largest chunk length ``H``.
         max_dim: largest ``D_a`` / ``D_s``.
+        max_abs_value: largest magnitude of a proprio, prefix or action value (default 1e4:
+            commands are O(1) controller units, joint angles O(pi) rad, positions O(1) m; a 1e30
+            prefix would turn the flow policy's output into NaN).
+        max_control_hz: highest control rate a ``Hello`` may announce (Hz).
         action_dim: expected ``D_a`` (``None``: not checked).
         state_dim: expected ``D_s`` (``None``: not checked).
+        chunk_size: the served chunk length ``H``; a real-time-chunking prefix may hold at most
+            ``H`` actions (``None``: at most ``max_horizon``).
     """
 
     max_message_bytes: int = 4 * 1024 * 1024
@@ -61,8 +73,11 @@ class Limits:
     max_cameras: int = 8
     max_horizon: int = 256
     max_dim: int = 64
+    max_abs_value: float = 1e4
+    max_control_hz: float = 10_000.0
     action_dim: int | None = None
     state_dim: int | None = None
+    chunk_size: int | None = None
 
 
 def now_ns() -> int:
@@ -105,25 +120,54 @@ def decode(data: bytes, limits: Limits | None = None) -> pb.Envelope:
 
 
 def validate(env: pb.Envelope, limits: Limits | None = None) -> pb.Envelope:
+    """Check the body of ``env`` against ``limits``; returns ``env``.
+
+    Raises:
+        MessageError: ``malformed`` (no body), ``invalid`` / ``oversized`` (see the
+            ``validate_*`` functions).
+    """
     lim = limits or Limits()
     k = kind(env)
     if not k:
         raise MessageError("malformed", "envelope has no body (empty or unknown message type)")
-    if k == "observation":
-        validate_observation(env.observation, lim)
-    elif k == "chunk":
-        validate_chunk(env.chunk, lim)
+    check = {"observation": validate_observation, "chunk": validate_chunk, "hello": validate_hello,
+             "ready": validate_ready}.get(k)
+    if check is not None:
+        check(getattr(env, k), lim)
     return env
 
 
+def check_values(values, what: str, lim: Limits, request_id: int = 0) -> None:
+    """Every value of ``values`` finite with ``|v| <= lim.max_abs_value``.
+
+    Raises:
+        MessageError: ``invalid``, naming ``what`` and the offending value.
+    """
+    a = np.asarray(values, dtype=np.float64)
+    if not a.size:
+        return
+    if not np.isfinite(a).all():
+        raise MessageError("invalid", f"{what} contains NaN or inf", request_id)
+    m = float(np.abs(a).max())
+    if m > lim.max_abs_value:
+        raise MessageError("invalid", f"{what} has a value of magnitude {m:.3g} > max_abs_value="
+                           f"{lim.max_abs_value:g}", request_id)
+
+
 def validate_observation(obs: pb.Observation, lim: Limits) -> None:
+    """Proprio (``D_s``, values), images (count, size, bytes), the RTC prefix and ``step``.
+
+    Raises:
+        MessageError: ``invalid`` or ``oversized`` (an image over ``max_image_pixels``).
+    """
     rid = obs.request_id
     d_s = len(obs.proprio)
     if d_s > lim.max_dim or (lim.state_dim is not None and d_s != lim.state_dim):
         raise MessageError("invalid", f"observation proprio has {d_s} values, expected "
                            f"{lim.state_dim if lim.state_dim is not None else f'<= {lim.max_dim}'}", rid)
-    if not all(math.isfinite(v) for v in obs.proprio):
-        raise MessageError("invalid", "observation proprio contains NaN or inf", rid)
+    check_values(obs.proprio, "observation proprio", lim, rid)
+    if obs.step < 0:
+        raise MessageError("invalid", f"observation step={obs.step} is negative", rid)
     if len(obs.images) > lim.max_cameras:
         raise MessageError("invalid", f"{len(obs.images)} images > max_cameras={lim.max_cameras}", rid)
     for im in obs.images:
@@ -133,18 +177,44 @@ def validate_observation(obs: pb.Observation, lim: Limits) -> None:
         if len(im.data) != im.height * im.width * 3:
             raise MessageError("invalid", f"image {im.camera!r} has {len(im.data)} bytes, expected "
                                f"height*width*3={im.height * im.width * 3}", rid)
-    if obs.prefix_len:
-        if lim.action_dim is not None and len(obs.prefix_actions) != obs.prefix_len * lim.action_dim:
-            raise MessageError("invalid", f"prefix_actions has {len(obs.prefix_actions)} values, expected "
-                               f"prefix_len*D_a={obs.prefix_len}*{lim.action_dim}", rid)
-        if len(obs.prefix_actions) % obs.prefix_len or obs.prefix_len > lim.max_horizon:
-            raise MessageError("invalid", f"prefix_actions length {len(obs.prefix_actions)} is not "
-                               f"prefix_len={obs.prefix_len} rows", rid)
-    elif len(obs.prefix_actions):
-        raise MessageError("invalid", "prefix_actions given with prefix_len=0", rid)
+    validate_prefix(obs, lim)
+
+
+def validate_prefix(obs: pb.Observation, lim: Limits) -> None:
+    """The real-time-chunking prefix of a request: ``prefix_len`` rows of ``D_a`` finite values
+    of sane magnitude, at most the chunk length ``H``, and ``delay_steps <= prefix_len``.
+
+    Raises:
+        MessageError: ``invalid``, saying which rule the prefix broke.
+    """
+    rid, p, n = obs.request_id, obs.prefix_len, len(obs.prefix_actions)
+    if obs.delay_steps > p:
+        raise MessageError("invalid", f"delay_steps={obs.delay_steps} exceeds prefix_len={p}: only actions "
+                           f"of the RTC prefix can be frozen", rid)
+    if not p:
+        if n:
+            raise MessageError("invalid", f"prefix_actions has {n} values but prefix_len=0", rid)
+        return
+    h = lim.chunk_size if lim.chunk_size is not None else lim.max_horizon
+    if p > h:
+        what = "the chunk length H" if lim.chunk_size is not None else "max_horizon"
+        raise MessageError("invalid", f"RTC prefix of prefix_len={p} actions is longer than {what}={h}; "
+                           f"send at most {h} committed actions", rid)
+    if lim.action_dim is not None and n != p * lim.action_dim:
+        raise MessageError("invalid", f"prefix_actions has {n} values, expected prefix_len*D_a="
+                           f"{p}*{lim.action_dim}", rid)
+    if n % p or not (1 <= n // p <= lim.max_dim):
+        raise MessageError("invalid", f"prefix_actions has {n} values, not prefix_len={p} rows of "
+                           f"1..{lim.max_dim} actions", rid)
+    check_values(obs.prefix_actions, "RTC prefix (prefix_actions)", lim, rid)
 
 
 def validate_chunk(ch: pb.ActionChunk, lim: Limits) -> None:
+    """Shape (``D_a``, ``H``), values, ``start_step >= 0`` and a finite ``inference_s >= 0``.
+
+    Raises:
+        MessageError: ``invalid``.
+    """
     rid = ch.request_id
     if lim.action_dim is not None and ch.action_dim != lim.action_dim:
         raise MessageError("invalid", f"action chunk has action_dim={ch.action_dim}, the robot takes "
@@ -155,9 +225,43 @@ def validate_chunk(ch: pb.ActionChunk, lim: Limits) -> None:
     if len(ch.actions) != ch.horizon * ch.action_dim:
         raise MessageError("invalid", f"action chunk has {len(ch.actions)} values, expected "
                            f"H*D_a={ch.horizon}*{ch.action_dim}", rid)
-    a = np.asarray(ch.actions, dtype=np.float32)
-    if not np.isfinite(a).all():
-        raise MessageError("invalid", "action chunk contains NaN or inf", rid)
+    check_values(ch.actions, "action chunk", lim, rid)
+    if ch.start_step < 0:
+        raise MessageError("invalid", f"action chunk start_step={ch.start_step} is negative", rid)
+    if not (math.isfinite(ch.inference_s) and ch.inference_s >= 0):
+        raise MessageError("invalid", f"action chunk inference_s={ch.inference_s} is not a time >= 0", rid)
+
+
+def validate_hello(h: pb.Hello, lim: Limits) -> None:
+    """What the server warms its policy up with: dims, cameras, image size, control rate.
+
+    Raises:
+        MessageError: ``invalid`` (``oversized`` for an image size over ``max_image_pixels``).
+    """
+    if h.action_dim > lim.max_dim or h.state_dim > lim.max_dim:
+        raise MessageError("invalid", f"hello announces D_a={h.action_dim}, D_s={h.state_dim}; at most "
+                           f"max_dim={lim.max_dim}")
+    if len(h.cameras) > lim.max_cameras:
+        raise MessageError("invalid", f"hello announces {len(h.cameras)} cameras > max_cameras={lim.max_cameras}")
+    if h.image_height * h.image_width > lim.max_image_pixels:
+        raise MessageError("oversized", f"hello announces images of {h.image_height}x{h.image_width} > "
+                           f"max_image_pixels={lim.max_image_pixels}")
+    if not (math.isfinite(h.control_hz) and 0 <= h.control_hz <= lim.max_control_hz):
+        raise MessageError("invalid", f"hello announces control_hz={h.control_hz}; expected 0 (unset) .. "
+                           f"max_control_hz={lim.max_control_hz:g}")
+
+
+def validate_ready(r: pb.Ready, lim: Limits) -> None:
+    """The server's answer to ``Hello``: chunk shape in range, a finite ``warmup_s >= 0``.
+
+    Raises:
+        MessageError: ``invalid``.
+    """
+    if not (1 <= r.chunk_size <= lim.max_horizon) or not (1 <= r.action_dim <= lim.max_dim):
+        raise MessageError("invalid", f"ready announces chunks of (H={r.chunk_size}, D_a={r.action_dim}); "
+                           f"expected (1..{lim.max_horizon}, 1..{lim.max_dim})")
+    if not (math.isfinite(r.warmup_s) and r.warmup_s >= 0):
+        raise MessageError("invalid", f"ready announces warmup_s={r.warmup_s}, not a time >= 0")
 
 
 # ----------------------------------------------------------------------------- builders

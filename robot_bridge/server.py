@@ -6,6 +6,16 @@ every request is answered (no observation is dropped as "too similar"); the poli
 is not cold; inference runs in a worker thread so the connection keeps receiving, heart-beating
 and rejecting bad messages while the policy thinks; the first action of a chunk is not dropped
 (the client skips exactly the actions that are stale, see ``robot_bridge.queue``); protobuf only.
+
+Sessions. :meth:`PolicyServer.serve` serves one robot connection (a *session*: its own request
+queue, inference worker, heartbeat and timeouts); :meth:`PolicyServer.serve_endpoint` accepts
+connections from a transport endpoint (``GrpcServer``, the ROS 2 server endpoint) and serves up
+to :attr:`SessionLimits.max_sessions` of them at once, each in its own thread, so a client that
+only sends heartbeats never delays another robot's ``Ready``. Inference of all sessions runs on
+the one policy, one call at a time. A connection beyond ``max_sessions`` is answered with an
+``Error`` ``[busy]`` and closed, or waits for a free session (``on_busy="queue"``). A session
+that sends no ``Hello`` within ``hello_timeout_s``, or nothing but heartbeats for
+``idle_timeout_s``, is ended with an ``Error`` ``[timeout]``.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,8 +46,42 @@ def obs_from_message(o: M.pb.Observation) -> Obs:
                proprio=torch.from_numpy(proprio)[None], task=[o.task])
 
 
+@dataclass(frozen=True)
+class SessionLimits:
+    """How :meth:`PolicyServer.serve_endpoint` shares one policy among robot connections.
+
+    Attributes:
+        max_sessions: robots served at once (>= 1).
+        on_busy: what a connection beyond ``max_sessions`` gets: ``"reject"``, an ``Error``
+            ``[busy]`` naming the limit, then the connection is closed; ``"queue"``, it waits
+            until a session ends (its ``Hello`` is answered then).
+        hello_timeout_s: a connection that has sent no ``Hello`` within this many seconds of
+            its session's start is ended with ``[timeout]`` (``None``: no limit).
+        idle_timeout_s: a session that received nothing but heartbeats for this many seconds
+            is ended with ``[timeout]`` (``None``: no limit).
+
+    Raises:
+        ValueError: ``max_sessions < 1``, an unknown ``on_busy``, or a timeout ``<= 0``.
+    """
+
+    max_sessions: int = 4
+    on_busy: str = "reject"
+    hello_timeout_s: float | None = 5.0
+    idle_timeout_s: float | None = 30.0
+
+    def __post_init__(self):
+        if int(self.max_sessions) < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        if self.on_busy not in ("reject", "queue"):
+            raise ValueError(f"on_busy must be 'reject' or 'queue', got {self.on_busy!r}")
+        for name in ("hello_timeout_s", "idle_timeout_s"):
+            v = getattr(self, name)
+            if v is not None and not float(v) > 0:
+                raise ValueError(f"{name} must be > 0 s or null, got {v}")
+
+
 class PolicyServer:
-    """Serves a chunking policy over one transport connection at a time.
+    """Serves a chunking policy to robot clients, one session per transport connection.
 
     Args:
         policy: ``wmrl.interfaces.Policy`` (``sample(Obs) -> PolicySample`` with actions
@@ -48,8 +93,13 @@ class PolicyServer:
             large policy); 0 = off.
         delay_jitter_s: uniform extra delay in ``[0, delay_jitter_s]``.
         heartbeat_s: period of ``Heartbeat`` messages (the client's watchdog listens to them).
-        limits: what is accepted from the robot (``action_dim`` is set from the policy).
+        limits: what is accepted from the robot (``action_dim`` and ``chunk_size`` are set from
+            the policy).
         seed: generator seed for sampling.
+
+    ``stats`` sums every session: ``requests``, ``chunks``, ``errors_sent``, ``rejected``,
+    ``inference_s`` (list), ``sessions`` (served), ``busy`` (refused), ``timeouts`` (ended).
+    ``sessions`` lists one summary per ended session (see :meth:`serve`).
     """
 
     def __init__(self, policy: Any, *, inference_delay_s: float = 0.0, delay_jitter_s: float = 0.0,
@@ -62,35 +112,53 @@ class PolicyServer:
         self.delay_jitter_s = float(delay_jitter_s)
         self.heartbeat_s = float(heartbeat_s)
         lim = limits or M.Limits()
-        self.limits = M.Limits(**{**lim.__dict__, "action_dim": self.action_dim})
+        self.limits = M.Limits(**{**lim.__dict__, "action_dim": self.action_dim, "chunk_size": self.chunk_size})
         self.generator = torch.Generator().manual_seed(seed)
         self.rng = np.random.default_rng(seed)
         self.supports_prefix = bool(rtc) and hasattr(policy, "rtc_velocity_fn")
         self.rtc_beta = rtc_beta
-        self.stats = {"requests": 0, "chunks": 0, "errors_sent": 0, "rejected": 0, "inference_s": []}
+        self.stats = {"requests": 0, "chunks": 0, "errors_sent": 0, "rejected": 0, "inference_s": [],
+                      "sessions": 0, "busy": 0, "timeouts": 0}
+        self.sessions: list[dict] = []
         self._stop = threading.Event()
+        self._policy_lock = threading.Lock()  # one inference at a time on the shared policy
+        self._stats_lock = threading.Lock()
         self.last_inference_s = 0.0
 
     # ------------------------------------------------------------------ inference
     def infer(self, o: M.pb.Observation) -> np.ndarray:
-        """Actions ``float32 (H, D_a)`` for one observation message (padded to the injected delay)."""
+        """Actions ``float32 (H, D_a)`` for one observation message (padded to the injected delay);
+        see :meth:`infer_timed`."""
+        a, self.last_inference_s = self.infer_timed(o)
+        return a
+
+    def infer_timed(self, o: M.pb.Observation) -> tuple[np.ndarray, float]:
+        """``(actions float32 (H, D_a), inference time s)`` for one observation message; the time
+        is the policy call padded to the injected delay.
+
+        Holds the policy for the whole call (sessions take turns). Raises ``RuntimeError`` when
+        the policy returns another shape or a non-finite action.
+        """
         obs = obs_from_message(o)
         _, _, prefix = M.observation_arrays(o)
-        t0 = time.perf_counter()  # inference = the policy call (padded to the injected delay)
-        if self.supports_prefix and prefix is not None:
-            actions = self._rtc(obs, prefix, int(o.delay_steps))  # needs autograd for the guidance
-        else:
-            with torch.no_grad():
-                actions = self.policy.sample(obs, generator=self.generator).actions
-        target = self.inference_delay_s + (self.rng.uniform(0, self.delay_jitter_s) if self.delay_jitter_s else 0.0)
-        rest = target - (time.perf_counter() - t0)
-        if rest > 0:
-            time.sleep(rest)
-        self.last_inference_s = time.perf_counter() - t0
+        with self._policy_lock:
+            t0 = time.perf_counter()  # inference = the policy call (padded to the injected delay)
+            if self.supports_prefix and prefix is not None:
+                actions = self._rtc(obs, prefix, int(o.delay_steps))  # needs autograd for the guidance
+            else:
+                with torch.no_grad():
+                    actions = self.policy.sample(obs, generator=self.generator).actions
+            target = self.inference_delay_s + (self.rng.uniform(0, self.delay_jitter_s) if self.delay_jitter_s else 0.0)
+            rest = target - (time.perf_counter() - t0)
+            if rest > 0:
+                time.sleep(rest)
+            dt = time.perf_counter() - t0
         a = actions.detach().to(torch.float32).cpu().numpy()
         if a.ndim != 3 or a.shape[0] != 1 or a.shape[2] != self.action_dim:
             raise RuntimeError(f"policy returned actions of shape {a.shape}, expected (1, H, {self.action_dim})")
-        return a[0]
+        if not np.isfinite(a).all():
+            raise RuntimeError("policy returned NaN or inf actions; no chunk sent")
+        return a[0], dt
 
     def _rtc(self, obs: Obs, prefix: np.ndarray, delay: int) -> torch.Tensor:
         pol = self.policy
@@ -104,111 +172,259 @@ class PolicyServer:
         return pol.from_flow_space(x)
 
     def warmup(self, hello: M.pb.Hello) -> float:
-        """One dummy inference with the robot's shapes (zeros), not padded by the delay."""
+        """One dummy inference with the robot's shapes (zeros), not padded by the delay; returns
+        its duration in s (including any wait for another session's inference)."""
         t0 = time.perf_counter()
         h = hello.image_height or 64
         w = hello.image_width or 64
         obs = Obs(images={c: torch.zeros(1, 3, h, w, dtype=torch.uint8) for c in hello.cameras},
                   proprio=torch.zeros(1, max(1, hello.state_dim)), task=[hello.task])
-        with torch.no_grad():
+        with self._policy_lock, torch.no_grad():
             self.policy.sample(obs, generator=torch.Generator().manual_seed(0))
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ serving
     def stop(self) -> None:
+        """End every session and :meth:`serve_endpoint` (within ~0.1 s)."""
         self._stop.set()
 
-    def serve(self, transport, idle_timeout_s: float | None = None) -> dict:
-        """Serve one connection until the peer disconnects, ``stop()`` is called or nothing was
-        received for ``idle_timeout_s``. Returns ``self.stats``."""
-        work: queue.Queue = queue.Queue()
-        done = threading.Event()
-        send_lock = threading.Lock()
+    def count(self, **inc) -> None:
+        """Add to :attr:`stats` (thread-safe)."""
+        with self._stats_lock:
+            for k, v in inc.items():
+                self.stats[k] += v
 
-        def send(env):
-            with send_lock:
-                transport.send(env)
+    def serve(self, transport, idle_timeout_s: float | None = None, hello_timeout_s: float | None = None) -> dict:
+        """Serve one connection (a session) until the peer disconnects, ``stop()`` is called, or a
+        timeout ends it: no ``Hello`` within ``hello_timeout_s``, or nothing but heartbeats for
+        ``idle_timeout_s`` (``None``: no limit); a timeout is told to the robot as ``[timeout]``.
 
-        def worker():
-            while not done.is_set():
-                try:
-                    o = work.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                try:
-                    a = self.infer(o)
-                    dt = self.last_inference_s
-                    self.stats["inference_s"].append(dt)
-                    send(M.make_chunk(actions=a, start_step=o.step, episode=o.episode, obs_stamp_ns=o.stamp_ns,
-                                      inference_s=dt, request_id=o.request_id))
-                    self.stats["chunks"] += 1
-                except (ConnectionError, OSError):
-                    done.set()
-                except Exception as e:  # policy failure: report it, keep serving
-                    log.exception("inference failed")
-                    try:
-                        send(M.make_error("internal", f"inference failed: {e}", o.request_id))
-                    except Exception:
-                        done.set()
+        Returns the session's summary: ``requests``, ``chunks``, ``rejected``, ``errors_sent``,
+        ``duration_s``, ``ended`` (``"peer"`` | ``"stopped"`` | ``"timeout: ..."``).
+        """
+        sess = _Session(self, transport, idle_timeout_s, hello_timeout_s)
+        summary = sess.run()
+        with self._stats_lock:
+            self.stats["sessions"] += 1
+            self.stats["timeouts"] += summary["ended"].startswith("timeout")
+            self.sessions.append(summary)
+        return summary
 
-        def heartbeat():
-            while not done.wait(self.heartbeat_s):
-                try:
-                    send(Envelope(heartbeat=M.pb.Heartbeat(stamp_ns=M.now_ns())))
-                except Exception:
-                    done.set()
+    def serve_endpoint(self, endpoint, limits: SessionLimits | None = None, accept_timeout_s: float | None = None,
+                       max_connections: int = 0) -> list[dict]:
+        """Accept robot connections from ``endpoint`` (``accept(timeout) -> transport | None``) and
+        serve each in its own thread (:meth:`serve`), at most ``limits.max_sessions`` at once.
 
-        threads = [threading.Thread(target=worker, daemon=True, name="server-worker"),
-                   threading.Thread(target=heartbeat, daemon=True, name="server-heartbeat")]
-        for t in threads:
-            t.start()
-        last = time.monotonic()
-        try:
-            while not (done.is_set() or self._stop.is_set()):
-                try:
-                    env = transport.recv(timeout=0.05)
-                except M.MessageError as e:
-                    self.stats["rejected"] += 1
-                    log.warning("rejected message: %s", e)
-                    send(M.make_error(e))
-                    self.stats["errors_sent"] += 1
-                    continue
-                except ConnectionError:
+        Returns when ``stop()`` is called, when ``max_connections`` (> 0) sessions were started and
+        have ended, or when no session was active and none connected for ``accept_timeout_s``.
+        Returns :attr:`sessions`. The endpoint is not closed.
+        """
+        lim = limits or SessionLimits()
+        slots = threading.BoundedSemaphore(int(lim.max_sessions))
+        threads: list[threading.Thread] = []
+        started = 0
+        quiet_since = time.monotonic()
+        while not self._stop.is_set() and (max_connections <= 0 or started < max_connections):
+            conn = endpoint.accept(timeout=0.1)
+            threads = [t for t in threads if t.is_alive()]
+            if conn is None:
+                if threads:
+                    quiet_since = time.monotonic()
+                elif accept_timeout_s is not None and time.monotonic() - quiet_since > accept_timeout_s:
+                    log.info("no robot connected within %s s", accept_timeout_s)
                     break
-                if env is None:
-                    if idle_timeout_s is not None and time.monotonic() - last > idle_timeout_s:
-                        break
-                    continue
-                last = time.monotonic()
-                k = M.kind(env)
-                if k == "hello":
-                    hl = env.hello
-                    if hl.action_dim and hl.action_dim != self.action_dim:
-                        send(M.make_error("invalid", f"robot takes D_a={hl.action_dim} but the policy outputs "
-                                          f"D_a={self.action_dim}; serve a policy for this robot"))
-                        self.stats["errors_sent"] += 1
-                        continue
-                    wu = self.warmup(hl)
-                    send(Envelope(ready=M.pb.Ready(action_dim=self.action_dim, chunk_size=self.chunk_size,
-                                                   supports_prefix=self.supports_prefix, warmup_s=wu)))
-                elif k == "observation":
-                    if env.observation.request:
-                        self.stats["requests"] += 1
-                        work.put(env.observation)
-                elif k == "estop":
-                    log.warning("robot reported e-stop: %s", env.estop.reason)
-                elif k in ("heartbeat", "episode_end", "error"):
-                    if k == "error":
-                        log.warning("robot reported error: %s", env.error.message)
-                else:
-                    send(M.make_error("invalid", f"a policy server does not accept {k!r} messages"))
-                    self.stats["errors_sent"] += 1
+                continue
+            has_slot = slots.acquire(blocking=False)
+            if not has_slot and lim.on_busy == "reject":
+                self._refuse_busy(conn, lim)
+                continue
+            started += 1
+            th = threading.Thread(target=self._session_thread, args=(conn, slots, has_slot, lim), daemon=True,
+                                  name=f"server-session-{started}")
+            th.start()
+            threads.append(th)
+        for t in threads:
+            while t.is_alive():
+                t.join(timeout=0.1)
+        return self.sessions
+
+    def _session_thread(self, conn, slots: threading.BoundedSemaphore, has_slot: bool, lim: SessionLimits) -> None:
+        while not has_slot:  # on_busy="queue": wait for a session to end
+            if self._stop.is_set():
+                _close_quietly(conn)
+                return
+            has_slot = slots.acquire(timeout=0.1)
+        try:
+            self.serve(conn, idle_timeout_s=lim.idle_timeout_s, hello_timeout_s=lim.hello_timeout_s)
+        except Exception:  # never let one session's fault end the server
+            log.exception("session failed")
         finally:
-            done.set()
-            for t in threads:
-                t.join(timeout=1.0)
-        return self.stats
+            slots.release()
+            _close_quietly(conn)
+
+    def _refuse_busy(self, conn, lim: SessionLimits) -> None:
+        log.warning("refused a robot connection: %d sessions already (max_sessions)", lim.max_sessions)
+        self.count(busy=1)
+        try:
+            conn.send(M.make_error("busy", f"policy server busy: it serves max_sessions={lim.max_sessions} robots "
+                                           f"already; retry later or raise max_sessions"))
+        except Exception as e:  # the robot may be gone already
+            log.debug("could not tell a robot it was refused: %s", e)
+        _close_quietly(conn)
 
     def send_estop(self, transport, reason: str = "operator") -> None:
         transport.send(Envelope(estop=M.pb.EStop(reason=reason)))
 
+
+def _close_quietly(conn) -> None:
+    try:
+        conn.close()
+    except Exception:  # pragma: no cover
+        pass
+
+
+class _Session:
+    """One robot connection of a :class:`PolicyServer`: receive loop (this thread), inference
+    worker and heartbeat threads, per-session counters and timeouts."""
+
+    def __init__(self, server: PolicyServer, transport, idle_timeout_s: float | None,
+                 hello_timeout_s: float | None):
+        self.server = server
+        self.transport = transport
+        self.idle_timeout_s = idle_timeout_s
+        self.hello_timeout_s = hello_timeout_s
+        self.work: queue.Queue = queue.Queue()
+        self.done = threading.Event()
+        self.send_lock = threading.Lock()
+        self.stats = {"requests": 0, "chunks": 0, "rejected": 0, "errors_sent": 0}
+        self.said_hello = False
+        self.ready: Envelope | None = None  # the answer to this session's Hello, once warmed up
+
+    def send(self, env: Envelope) -> None:
+        with self.send_lock:
+            self.transport.send(env)
+
+    def error(self, code: str, message: str, request_id: int = 0) -> None:
+        self.send(M.make_error(code, message, request_id))
+        self._count(errors_sent=1)
+
+    def _count(self, **inc) -> None:
+        for k, v in inc.items():
+            self.stats[k] += v
+        self.server.count(**inc)
+
+    def run(self) -> dict:
+        threads = [threading.Thread(target=self._worker, daemon=True, name="server-worker"),
+                   threading.Thread(target=self._heartbeat, daemon=True, name="server-heartbeat")]
+        for t in threads:
+            t.start()
+        t0 = time.monotonic()
+        try:
+            ended = self._receive(t0)
+        finally:
+            self.done.set()
+            for t in threads:
+                t.join(timeout=1.0)
+        if ended.startswith("timeout"):
+            log.warning("session %s", ended)
+        return {**self.stats, "duration_s": time.monotonic() - t0, "ended": ended}
+
+    def _receive(self, t0: float) -> str:
+        """The receive loop; returns why the session ended."""
+        srv = self.server
+        last = t0
+        while not self.done.is_set():
+            if srv._stop.is_set():
+                return "stopped"
+            try:
+                env = self.transport.recv(timeout=0.05)
+            except M.MessageError as e:  # answered; not activity (a stream of garbage still times out)
+                self._count(rejected=1)
+                log.warning("rejected message: %s", e)
+                self._reply(self.error, e.code, e.detail, e.request_id)
+                env = None
+            except ConnectionError:
+                return "peer"
+            now = time.monotonic()
+            if env is not None and M.kind(env) != "heartbeat":
+                last = now
+                self._handle(env)
+            why = self._timed_out(now, t0, last)
+            if why:
+                self._reply(self.error, "timeout", f"session ended: {why}")
+                return f"timeout: {why}"
+        return "peer"
+
+    def _reply(self, fn, *args) -> None:
+        """``fn(*args)`` (a send); a link that went down ends the session."""
+        try:
+            fn(*args)
+        except (ConnectionError, OSError):
+            self.done.set()
+
+    def _timed_out(self, now: float, t0: float, last: float) -> str:
+        if self.hello_timeout_s is not None and not self.said_hello and now - t0 > self.hello_timeout_s:
+            return f"no Hello within hello_timeout_s={self.hello_timeout_s:g} s"
+        if self.idle_timeout_s is not None and now - last > self.idle_timeout_s:
+            return f"nothing but heartbeats for idle_timeout_s={self.idle_timeout_s:g} s"
+        return ""
+
+    def _handle(self, env: Envelope) -> None:
+        srv = self.server
+        k = M.kind(env)
+        if k == "hello":
+            hl = env.hello
+            if hl.action_dim and hl.action_dim != srv.action_dim:
+                self._reply(self.error, "invalid", f"robot takes D_a={hl.action_dim} but the policy outputs "
+                                                   f"D_a={srv.action_dim}; serve a policy for this robot")
+                return
+            if self.ready is None:  # a repeated Hello (the robot heard nothing yet) gets the same Ready
+                self.said_hello = True
+                self.ready = Envelope(ready=M.pb.Ready(action_dim=srv.action_dim, chunk_size=srv.chunk_size,
+                                                       supports_prefix=srv.supports_prefix, warmup_s=srv.warmup(hl)))
+            self._reply(self.send, self.ready)
+        elif k == "observation":
+            o = env.observation
+            if not o.request:
+                return
+            try:  # again with the policy's D_a and H (the transport may not know them)
+                M.validate_observation(o, srv.limits)
+            except M.MessageError as e:
+                self._count(rejected=1)
+                self._reply(self.error, e.code, e.detail, e.request_id)
+                return
+            self._count(requests=1)
+            self.work.put(o)
+        elif k == "estop":
+            log.warning("robot reported e-stop: %s", env.estop.reason)
+        elif k == "error":
+            log.warning("robot reported error: %s", env.error.message)
+        elif k != "episode_end":
+            self._reply(self.error, "invalid", f"a policy server does not accept {k!r} messages")
+
+    def _worker(self) -> None:
+        srv = self.server
+        while not self.done.is_set():
+            try:
+                o = self.work.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            try:
+                a, dt = srv.infer_timed(o)
+                with srv._stats_lock:
+                    srv.stats["inference_s"].append(dt)
+                self.send(M.make_chunk(actions=a, start_step=o.step, episode=o.episode, obs_stamp_ns=o.stamp_ns,
+                                       inference_s=dt, request_id=o.request_id))
+                self._count(chunks=1)
+            except (ConnectionError, OSError):
+                self.done.set()
+            except Exception as e:  # policy failure: report it, keep serving
+                log.exception("inference failed")
+                self._reply(self.error, "internal", f"inference failed: {e}", o.request_id)
+
+    def _heartbeat(self) -> None:
+        while not self.done.wait(self.server.heartbeat_s):
+            try:
+                self.send(Envelope(heartbeat=M.pb.Heartbeat(stamp_ns=M.now_ns())))
+            except Exception:
+                self.done.set()

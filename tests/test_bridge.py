@@ -70,6 +70,77 @@ def test_chunk_of_wrong_dimension_and_bad_values_rejected():
         M.decode(M.encode(nan), lim)
 
 
+@pytest.mark.parametrize("case", ["nan", "inf", "huge", "over_long", "not_rows", "delay_past_prefix", "no_len"])
+def test_rtc_prefix_is_validated_like_every_numeric_field(case):
+    lim = M.Limits(action_dim=D_A, chunk_size=16)
+    prefix = {"nan": np.full((4, D_A), np.nan), "inf": np.full((4, D_A), -np.inf), "huge": np.full((4, D_A), 1e30),
+              "over_long": np.zeros((17, D_A))}.get(case, np.zeros((4, D_A)))
+    env = _obs_env(prefix_actions=prefix.astype(np.float32), request_id=5)
+    if case == "not_rows":
+        env.observation.prefix_actions.append(0.0)
+    elif case == "delay_past_prefix":
+        env.observation.delay_steps = 5
+    elif case == "no_len":
+        env.observation.prefix_len = 0
+    why = {"nan": "RTC prefix .* NaN or inf", "inf": "RTC prefix .* NaN or inf", "huge": "magnitude 1e\\+30",
+           "over_long": "prefix_len=17 actions is longer than the chunk length H=16",
+           "not_rows": "expected prefix_len\\*D_a=4\\*7", "delay_past_prefix": "delay_steps=5 exceeds prefix_len=4",
+           "no_len": "28 values but prefix_len=0"}[case]
+    with pytest.raises(M.MessageError, match=why) as e:
+        M.decode(M.encode(env), lim)
+    assert e.value.code == "invalid" and e.value.request_id == 5 and str(e.value).startswith("[invalid] ")
+    ok = _obs_env(prefix_actions=np.full((16, D_A), 0.5, np.float32))
+    ok.observation.delay_steps = 16
+    M.decode(M.encode(ok), lim)  # a full-length prefix, every action frozen, is fine
+    over = _obs_env(prefix_actions=np.zeros((300, D_A), np.float32))
+    with pytest.raises(M.MessageError, match="longer than max_horizon=256"):
+        M.decode(M.encode(over), M.Limits())  # H unknown: the generic bound, named as such
+
+
+def test_other_numeric_fields_are_validated():
+    lim = M.Limits(action_dim=D_A)
+    big = _obs_env()
+    big.observation.proprio[0] = 1e30
+    with pytest.raises(M.MessageError, match="proprio has a value of magnitude"):
+        M.decode(M.encode(big), lim)
+    neg = _obs_env(step=-1)
+    with pytest.raises(M.MessageError, match="step=-1"):
+        M.decode(M.encode(neg), lim)
+    ch = M.make_chunk(actions=np.zeros((16, D_A)), start_step=0, inference_s=float("nan"))
+    with pytest.raises(M.MessageError, match="inference_s"):
+        M.decode(M.encode(ch), lim)
+    ch = M.make_chunk(actions=np.full((16, D_A), 1e30), start_step=0)
+    with pytest.raises(M.MessageError, match="action chunk has a value of magnitude"):
+        M.decode(M.encode(ch), lim)
+    hello = M.Envelope(hello=M.pb.Hello(action_dim=D_A, state_dim=D_S, image_height=65535, image_width=65535))
+    with pytest.raises(M.MessageError, match="max_image_pixels") as e:  # the server would allocate it to warm up
+        M.decode(M.encode(hello), lim)
+    assert e.value.code == "oversized"
+    hello = M.Envelope(hello=M.pb.Hello(action_dim=D_A, cameras=[f"c{i}" for i in range(20)]))
+    with pytest.raises(M.MessageError, match="max_cameras"):
+        M.decode(M.encode(hello), lim)
+    hello = M.Envelope(hello=M.pb.Hello(action_dim=D_A, control_hz=float("inf")))
+    with pytest.raises(M.MessageError, match="control_hz"):
+        M.decode(M.encode(hello), lim)
+    ready = M.Envelope(ready=M.pb.Ready(action_dim=D_A, chunk_size=0))
+    with pytest.raises(M.MessageError, match="ready announces"):
+        M.decode(M.encode(ready), lim)
+
+
+def test_server_never_sends_a_nonfinite_chunk():
+    class NaNPolicy(GoalPolicy):
+        def sample(self, obs, generator=None):
+            out = super().sample(obs, generator)
+            return PolicySample(out.actions * float("nan"), out.log_prob)
+
+    srv, th, robot_end, _ = _start_server(NaNPolicy())
+    robot_end.send(_obs_env(request_id=3))
+    err = _recv_kind(robot_end, "error").error
+    assert err.code == "internal" and "NaN" in err.message and err.request_id == 3
+    assert srv.stats["chunks"] == 0
+    robot_end.close()
+
+
 def test_observation_with_inconsistent_image_rejected():
     env = _obs_env()
     env.observation.images[0].height = 9
@@ -289,6 +360,38 @@ def test_server_rejects_robot_with_other_action_dim():
     robot_end.send(M.Envelope(hello=M.pb.Hello(action_dim=6, state_dim=D_S)))
     assert "D_a=6" in _recv_kind(robot_end, "error").error.message
     robot_end.close()
+
+
+def test_repeated_hello_gets_the_same_ready_without_a_second_warmup():
+    pol = GoalPolicy()
+    calls = []
+    sample = pol.sample
+    pol.sample = lambda obs, generator=None: calls.append(1) or sample(obs, generator)
+    _, _, robot_end, _ = _start_server(pol)
+    for _ in range(2):
+        robot_end.send(M.Envelope(hello=M.pb.Hello(action_dim=D_A, state_dim=D_S, cameras=["agentview"])))
+    a, b = _recv_kind(robot_end, "ready").ready, _recv_kind(robot_end, "ready").ready
+    assert a == b and len(calls) == 1
+    robot_end.close()
+
+
+def test_session_without_hello_times_out_even_when_it_sends_garbage():
+    robot_end, server_end = InProcTransport.pair(M.Limits(action_dim=D_A), M.Limits(state_dim=D_S))
+    srv = PolicyServer(GoalPolicy())
+    box = {}
+    th = threading.Thread(target=lambda: box.setdefault("s", srv.serve(server_end, hello_timeout_s=0.3)), daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    while th.is_alive() and time.monotonic() - t0 < 3:
+        robot_end.send_bytes(b"\x0a\xff garbage")  # rejected, answered, but not activity
+        time.sleep(0.02)
+    th.join(timeout=1)
+    assert not th.is_alive() and box["s"]["ended"].startswith("timeout: no Hello within hello_timeout_s=0.3")
+    assert time.monotonic() - t0 < 1.5 and box["s"]["rejected"] > 3
+    codes = []
+    while (env := robot_end.recv(timeout=0.05)) is not None:
+        codes.append(env.error.code if M.kind(env) == "error" else M.kind(env))
+    assert "timeout" in codes and "malformed" in codes
 
 
 def test_client_rejects_chunk_of_wrong_dimension():

@@ -67,31 +67,44 @@ def _wait_line(proc, needle, timeout=60):
     raise AssertionError(f"{needle!r} not printed within {timeout} s:\n{''.join(lines)}")
 
 
-def test_server_killed_mid_episode_robot_stops_and_records_failure(tmp_path):
+def test_server_killed_and_restarted_robot_reconnects_finishes_and_exits_nonzero(tmp_path):
+    """kill -9 of `wmrl serve` mid-episode: the robot holds, the watchdog stops it (episode
+    recorded as `watchdog`), it reconnects to the restarted server with backoff and runs the
+    other episodes; its exit status (3) says an episode was lost."""
     from wmrl.storage import EpisodeStore
 
     port = _free_port()
     addr = f"transport.address=127.0.0.1:{port}"
-    server = _wmrl(["serve", "transport=grpc", addr, "inference_delay_s=0.05", "accept_timeout_s=60"], tmp_path / "srv")
+    serve = ["serve", "transport=grpc", addr, "inference_delay_s=0.05", "accept_timeout_s=60"]
+    server = _wmrl(serve, tmp_path / "srv")
+    restarted = None
     try:
         _wait_line(server, "wmrl-serve ready")
-        robot = _wmrl(["robot", "transport=grpc", addr, "arm.kind=target", "safety.workspace_low=null", "safety.workspace_high=null", "episodes=1", "control.max_steps=400",
-                       "control.watchdog_s=0.4", f"store={tmp_path / 'eps'}"], tmp_path / "rob")
+        robot = _wmrl(["robot", "transport=grpc", addr, "arm.kind=target", "safety.workspace_low=null",
+                       "safety.workspace_high=null", "episodes=3", "control.max_steps=40", "control.watchdog_s=0.4",
+                       "reconnect.backoff_s=0.2", "reconnect.backoff_max_s=0.5", f"store={tmp_path / 'eps'}"],
+                      tmp_path / "rob")
         _wait_line(robot, "connected to the policy server")
-        time.sleep(2.0)
+        time.sleep(1.0)
         server.send_signal(signal.SIGKILL)  # the policy server dies mid-episode
-        out, _ = robot.communicate(timeout=60)
+        server.wait(timeout=10)
+        restarted = _wmrl(serve, tmp_path / "srv2")  # and is started again on the same port
+        out, _ = robot.communicate(timeout=90)
     finally:
-        if server.poll() is None:
-            server.kill()
-    assert robot.returncode == 0, out
+        for p in (server, restarted):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert robot.returncode == 3, out
+    assert "1 of 3 episodes did not run to completion (episodes [0])" in out
     rep = json.loads((tmp_path / "rob" / "report.json").read_text())
-    row = rep["episodes"][0]
-    assert row["failure_label"] == "watchdog" and not row["success"] and row["steps"] < 400
+    rows = rep["episodes"]
+    assert [r["failure_label"] == "watchdog" for r in rows] == [True, False, False], rows
+    assert rows[0]["steps"] < 40 and rows[1]["steps"] == rows[2]["steps"] == 40
+    assert rep["episodes_lost"] == [0] and len(rep["reconnects"]) == 1
     store = EpisodeStore.open(tmp_path / "eps")
-    assert len(store) == 1
+    assert len(store) == 3
     ep = store.episode(0)
-    assert ep.length == row["steps"] and not ep.success and ep.info["failure_label"] == "watchdog"
+    assert ep.length == rows[0]["steps"] and not ep.success and ep.info["failure_label"] == "watchdog"
     assert ep.extras["starved"][-1] == 1.0  # holding when stopped
 
 
@@ -163,8 +176,43 @@ def test_operator_estop_signal_stops_node_and_records_episode(tmp_path):
         out, _ = robot.communicate(timeout=60)
     finally:
         server.kill()
-    assert robot.returncode == 0, out
+    assert robot.returncode == 3, out  # the e-stopped episode and the two never run are lost
+    assert "3 of 3 episodes did not run to completion" in out
     rep = json.loads((tmp_path / "rob" / "report.json").read_text())
     assert rep["num_episodes"] == 1 and rep["episodes"][0]["failure_label"] == "estop"  # no further episode
     ep = EpisodeStore.open(tmp_path / "eps").episode(0)
     assert ep.info["failure_label"] == "estop" and ep.info["estop_reason"] == "operator signal"
+
+
+BENCH_PARENT = """
+import sys, time
+from pathlib import Path
+from wmrl.run.bench_bridge import _start_server_process
+proc, address = _start_server_process("grpc", 0.0, 16, Path(sys.argv[1]), 0, {"nice": None})
+print(proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_bench_policy_server_dies_with_a_killed_benchmark(tmp_path):
+    """`wmrl bench bridge` starts `wmrl serve` as a child (wmrl.workers.child_env): kill -9 of the
+    benchmark leaves no policy server behind."""
+    from test_workers import _alive  # tests/ is on sys.path (no __init__.py)
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    parent = subprocess.Popen([sys.executable, "-c", BENCH_PARENT, str(tmp_path)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        pid = int(parent.stdout.readline())
+        assert _alive(pid)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        t0 = time.time()
+        while _alive(pid) and time.time() - t0 < 5:
+            time.sleep(0.1)
+        assert not _alive(pid), "wmrl serve outlived the killed benchmark by 5 s"
+    finally:
+        parent.kill()
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -165,7 +165,7 @@ def test_worldmodel_critic_and_imagination_env_contracts():
 def _transport_pairs():
     import os
 
-    from robot_bridge.messages import Limits
+    from robot_bridge.messages import Envelope, Limits
     from robot_bridge.transports.grpc_transport import GrpcClientTransport, GrpcServer
     from robot_bridge.transports.inproc import InProcTransport
     from robot_bridge.transports.ros2 import Ros2Transport
@@ -182,7 +182,10 @@ def _transport_pairs():
     srv = Ros2Transport("server", cameras=["agentview"], domain_id=dom, limits=server_lim)
     rob = Ros2Transport("robot", cameras=["agentview"], domain_id=dom, limits=robot_lim)
     assert rob.wait_for_peer(5) and srv.wait_for_peer(5)
-    yield "ros2", (rob, srv), None
+    rob.send(Envelope(heartbeat={}))  # opens the robot's session (one per DDS participant)
+    session = srv.accept(timeout=5)
+    session.recv(timeout=5)
+    yield "ros2", (rob, session), srv
 
 
 def test_transport_contract():
@@ -220,4 +223,4 @@ def test_transport_contract():
         robot.close()
         server.close()
         if extra is not None:
-            extra.stop(0)
+            extra.stop(0) if hasattr(extra, "stop") else extra.close()

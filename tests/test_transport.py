@@ -204,6 +204,8 @@ def ros_pair():
 def test_ros2_observation_and_chunk_roundtrip(ros_pair):
     st, rt = ros_pair
     rt.send(M.Envelope(hello=M.pb.Hello(action_dim=7, state_dim=9, task="lift the red cube")))
+    st = st.accept(timeout=5)  # the robot's session (its DDS participant)
+    assert st.key == rt.session
     assert _recv_kind(st, "hello").hello.action_dim == 7
     sent = _obs_env(step=11, request_id=6, prefix=np.full((4, D_A), 0.25, np.float32))
     sent.observation.delay_steps = 2
@@ -232,6 +234,7 @@ def test_ros2_rejects_malformed_and_wrong_dim_and_stays_up(ros_pair):
     bad = R.Image(header=R.Header(frame_id="base;ep=0;step=1;req=2;n=1"), height=8, width=8, encoding="rgb8",
                   step=24, data=bytes(10))
     rt._write(rt.w_img["agentview"], bad)
+    st = st.accept(timeout=5)  # attributed to the robot that wrote it
     with pytest.raises(M.MessageError) as e:
         t_end = time.monotonic() + 5
         while time.monotonic() < t_end:
@@ -263,7 +266,7 @@ def test_ros2_rejects_malformed_and_wrong_dim_and_stays_up(ros_pair):
 def test_ros2_end_to_end_episode(ros_pair):
     st, rt = ros_pair
     srv = PolicyServer(GoalPolicy(), inference_delay_s=0.05)
-    th = threading.Thread(target=srv.serve, args=(st,), daemon=True)
+    th = threading.Thread(target=srv.serve_endpoint, args=(st,), daemon=True)
     th.start()
     arm = KinematicArm()
     cl = RobotClient(arm, rt, ClientConfig(max_steps=200))

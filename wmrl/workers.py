@@ -6,6 +6,12 @@ started it dies (Linux ``prctl(PR_SET_PDEATHSIG)``), so a ``wmrl collect workers
 ``kill -9`` leaves no worker computing on: the workers go at once, and with them the last holders of
 multiprocessing's resource-tracker pipe, which then exits too. Where ``prctl`` is missing (not Linux)
 the workers check every second whether their parent is gone and exit.
+
+The same for ``wmrl`` commands run as child processes (``wmrl bench bridge`` starts ``wmrl serve``
+and ``wmrl robot``): start them with ``env=child_env()``; ``wmrl.cli`` calls
+:func:`die_with_parent_from_env` first thing, so a killed benchmark leaves no policy server behind.
+``PR_SET_PDEATHSIG`` fires when the *thread* that started the child ends: start children from a
+thread that lives as long as they should (the main thread).
 """
 
 from __future__ import annotations
@@ -37,6 +43,32 @@ def _die_with_parent(parent: int) -> None:
             time.sleep(1.0)
 
     threading.Thread(target=watch, daemon=True, name="wmrl-parent-watch").start()
+
+
+PARENT_ENV = "WMRL_DIE_WITH_PARENT"
+
+
+def child_env(env: dict | None = None) -> dict:
+    """``env`` (default ``os.environ``) plus ``WMRL_DIE_WITH_PARENT=<this pid>``: the environment
+    for a ``wmrl`` command that must die with this process (see :func:`die_with_parent_from_env`)."""
+    return {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}
+
+
+def die_with_parent_from_env() -> None:
+    """In a ``wmrl`` command started with :func:`child_env`: get ``SIGKILL`` when the parent dies
+    (exit now if it is gone already). The variable is removed, so this command's own children do
+    not inherit it. Started through a wrapper (e.g. a shell), it dies with the wrapper."""
+    pid = os.environ.pop(PARENT_ENV, "")
+    if not pid.isdigit():
+        return
+    parent = int(pid)
+    if os.getppid() != parent:
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            os._exit(1)  # the parent died before this command got here
+        parent = os.getppid()  # a wrapper between us: die with it
+    _die_with_parent(parent)
 
 
 def worker_pool(workers: int):

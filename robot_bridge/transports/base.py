@@ -25,6 +25,7 @@ class ByteTransport:
         self._inbox: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self._peer_gone = False
+        self.end_reason = ""  # why the link ended, when the transport knows (e.g. a gRPC status)
 
     # -- Transport protocol
     def send(self, message: Envelope) -> None:
@@ -33,16 +34,22 @@ class ByteTransport:
         self.send_bytes(encode(message, self.limits))
 
     def recv(self, timeout: float | None = None) -> Envelope | None:
-        if self._peer_gone:
-            raise ConnectionError(f"{type(self).__name__}: peer disconnected")
-        try:
-            data = self._inbox.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if data is _CLOSED:
+        """The next message, or ``None`` after ``timeout`` s.
+
+        Raises:
+            MessageError: the message was rejected (call ``recv`` again: the link stays up).
+            ConnectionError: the peer is gone (with :attr:`end_reason` when known).
+        """
+        if not self._peer_gone:
+            try:
+                data = self._inbox.get(timeout=timeout)
+            except queue.Empty:
+                return None
+            if data is not _CLOSED:
+                return decode(data, self.limits)
             self._peer_gone = True
-            raise ConnectionError(f"{type(self).__name__}: peer disconnected")
-        return decode(data, self.limits)
+        raise ConnectionError(f"{type(self).__name__}: peer disconnected"
+                              + (f" ({self.end_reason})" if self.end_reason else ""))
 
     def close(self) -> None:
         self._closed.set()

@@ -11,7 +11,9 @@ Loopback only by default: addresses must be ``127.0.0.1``, ``localhost`` or ``[:
 
 * robot side: ``GrpcClientTransport("127.0.0.1:50051")``;
 * server side: ``srv = GrpcServer("127.0.0.1:0"); srv.port; t = srv.accept(timeout)`` gives a
-  ``GrpcServerTransport`` per robot connection.
+  ``GrpcServerTransport`` per robot connection (``PolicyServer.serve_endpoint`` serves several
+  at once). At most ``max_streams`` streams are open at once; gRPC itself refuses more with
+  ``RESOURCE_EXHAUSTED``, which the robot's ``recv`` reports in its ``ConnectionError``.
 """
 
 from __future__ import annotations
@@ -76,8 +78,10 @@ class GrpcClientTransport(ByteTransport):
         try:
             for data in self._call:
                 self._inbox.put(data)
-        except grpc.RpcError:
-            pass
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            if code is not None and code != grpc.StatusCode.CANCELLED:
+                self.end_reason = f"gRPC {code.name}: {e.details()}"
         self._inbox.put(_CLOSED)
 
     def send_bytes(self, data: bytes) -> None:
@@ -115,10 +119,14 @@ class GrpcServerTransport(ByteTransport):
 
 
 class GrpcServer:
-    """gRPC server accepting robot streams on ``address`` (``port 0``: pick a free port)."""
+    """gRPC server accepting robot streams on ``address`` (``port 0``: pick a free port).
+
+    ``max_streams``: streams open at once (robot sessions plus connections being told
+    ``[busy]``); beyond it gRPC refuses a stream with ``RESOURCE_EXHAUSTED``.
+    """
 
     def __init__(self, address: str = "127.0.0.1:0", limits: Limits | None = None, allow_remote: bool = False,
-                 max_streams: int = 4):
+                 max_streams: int = 8):
         _check_loopback(address, allow_remote)
         self.limits = limits or Limits()
         self._accepted: queue.Queue = queue.Queue()

@@ -22,26 +22,45 @@ travels in ``header.frame_id`` as ``"<frame>;ep=0;step=12;req=5;delay=3;n=2"``. 
 ``JointTrajectory`` whose ``joint_names`` name the action dimensions and whose point ``i``
 holds action ``i`` with ``time_from_start = i / control_hz``.
 
+Sessions. The topics are shared by every robot in the namespace, so the server tells robots
+apart by the DDS participant that wrote each sample (its GUID, from the sample's publication
+handle): ``Ros2Transport(role="server")`` is an endpoint whose :meth:`~Ros2Transport.accept`
+yields one :class:`Ros2Session` (a transport) per robot participant, as ``GrpcServer`` yields
+one per stream. Every server message is addressed to its robot: ``to=<GUID>`` in a chunk's
+``header.frame_id``, the envelope's ``session`` field in the JSON; a robot drops what is
+addressed to another. ``/wmrl/estop`` (``Bool``) has no address: it stops every robot in the
+namespace. A session ends when the server closes it or its robot's participant disappears
+(``recv`` raises ``ConnectionError``); later samples of that participant are dropped.
+
 Messages that do not fit (malformed bookkeeping, inconsistent image sizes, chunk points of the
-wrong width, bad JSON) raise :class:`robot_bridge.messages.MessageError` from ``recv``; nothing
-is torn down. DDS has no connection: a dead peer is silence (the client's watchdog handles it).
+wrong width, bad JSON) raise :class:`robot_bridge.messages.MessageError` from ``recv`` of the
+session of the robot that wrote them; nothing is torn down. To the robot a dead server is
+silence (the client's watchdog handles it); ``connect_timeout_s`` makes a robot endpoint fail at
+once with ``ConnectionError`` when no server is there.
 
 Loopback only for tests: :func:`loopback_config` restricts Cyclone DDS to ``lo`` without
-multicast, with ``127.0.0.1`` as the only discovery peer.
+multicast, with ``127.0.0.1`` as the only discovery peer, and lets a deleted writer wait only
+20 ms for acknowledgements. With Cyclone's own defaults (``config=""``) closing a robot endpoint
+whose server died (and has not yet expired) waits ``Internal/WriterLingerDuration`` (1 s) per
+writer, about 5 s before a reconnect; set it lower in ``CYCLONEDDS_URI``.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from importlib import resources
 
 import numpy as np
+from cyclonedds.internal import InvalidSample
 from google.protobuf import json_format
 
 from robot_bridge import messages as M
 from robot_bridge.transports import ros2_types as R
+
+log = logging.getLogger("robot_bridge.transports.ros2")
 
 _DOMAINS: dict = {}
 _LIVE: set = set()
@@ -77,8 +96,15 @@ def _int(meta: dict, key: str, default: int | None = None) -> int:
         raise M.MessageError("malformed", f"header.frame_id lacks an integer {key!r}") from None
 
 
+_U64 = 1 << 64
+_ENDED_KEEP = 4096  # ended sessions remembered (their late samples are dropped)
+
+
 class Ros2Transport:
     """One endpoint (``role="robot"`` or ``"server"``) of the ROS 2 link.
+
+    The robot endpoint is a transport (``send``, ``recv``, ``close``); the server endpoint
+    hands out one :class:`Ros2Session` transport per robot with :meth:`accept`.
 
     Args:
         role: which side this is.
@@ -91,12 +117,18 @@ class Ros2Transport:
         control_hz: used for ``time_from_start`` of trajectory points.
         frame: coordinate frame written in headers.
         match_timeout_s: how long the first message on a topic waits for a subscriber.
+        connect_timeout_s: robot only: wait this long (s) for a policy server's reader of
+            ``bridge/to_server`` and raise ``ConnectionError`` when none is discovered
+            (``None``: do not wait).
+
+    Attributes:
+        session: robot: this endpoint's session id (its DDS participant GUID); server: ``""``.
     """
 
     def __init__(self, role: str, cameras=("agentview", "robot0_eye_in_hand"), domain_id: int = 0,
                  namespace: str = "/wmrl", limits: M.Limits | None = None, config: str | None = None,
                  control_hz: float = 20.0, frame: str = "base", action_names: list[str] | None = None,
-                 match_timeout_s: float = 3.0):
+                 match_timeout_s: float = 3.0, connect_timeout_s: float | None = None):
         from cyclonedds.core import Listener, Qos, Policy
         from cyclonedds.domain import Domain, DomainParticipant
         from cyclonedds.pub import DataWriter
@@ -115,7 +147,7 @@ class Ros2Transport:
         self._inbox: queue.Queue = queue.Queue()
         self._closed = False
         self._lock = threading.Lock()
-        self._partial: dict[int, dict] = {}
+        self._init_sessions()
         cfg = loopback_config() if config is None else config
         with _DOMAINS_LOCK:  # one configured Domain per process and id (Cyclone's rule)
             if cfg and domain_id not in _DOMAINS:
@@ -142,7 +174,7 @@ class Ros2Transport:
         self._writers_matched: set[int] = set()
 
         def reader(t, fn):
-            r = DataReader(self.dp, t, qos=qos, listener=Listener(on_data_available=lambda r: self._safe(fn, r)))
+            r = DataReader(self.dp, t, qos=qos, listener=Listener(on_data_available=lambda r: self._take(fn, r)))
             self._entities.insert(0, r)
             return r
 
@@ -163,22 +195,72 @@ class Ros2Transport:
             self.w_ctrl = writer(t_to_robot)
             self.w_estop = writer(t_estop)
             self._readers = [reader(t_js, self._on_js), reader(t_req, self._on_req), reader(t_to_server, self._on_ctrl)]
-            self._readers += [reader(t, lambda im, c=c: self._on_img(im, c)) for c, t in t_img.items()]
-        self._task = ""  # the instruction from Hello (observations on ROS topics carry no text)
+            self._readers += [reader(t, lambda im, key, c=c: self._on_img(im, c, key)) for c, t in t_img.items()]
+        self.session = str(self.dp.guid) if role == "robot" else ""
         # Keep the DDS entities reachable until close(): Cyclone waits for running listeners when
         # an entity is deleted, so one collected by Python's GC inside a listener callback (which
         # runs in the writer's thread for local readers) would deadlock.
         _LIVE.add(self)
+        if role == "robot" and connect_timeout_s is not None:
+            self._require_server(connect_timeout_s, domain_id, ns)
+
+    def _init_sessions(self) -> None:
+        self._partial: dict[tuple[str, int], dict] = {}  # (session, stamp) -> parts of an observation
+        self._sessions: dict[str, Ros2Session] = {}
+        self._ended: dict[str, None] = {}  # ordered: the oldest forgotten first
+        self._accepted: queue.Queue = queue.Queue()
+        self._writer_key: dict[int, str] = {}  # publication handle -> participant GUID
+        self._key_handles: dict[str, set[int]] = {}
+        self._tasks: dict[str, str] = {}  # session -> instruction from its Hello (ROS topics carry no text)
 
     # ------------------------------------------------------------------ plumbing
-    def _safe(self, fn, r) -> None:
+    def _take(self, fn, r) -> None:
+        """Listener body: hand every new sample to ``fn(sample, session) -> envelope | None`` and
+        deliver the result (or the ``MessageError`` it raised) to the sender's session."""
         try:
-            for s in r.take(N=64):
-                fn(s)
-        except M.MessageError as e:
-            self._inbox.put(e)
+            samples = r.take(N=64)
         except Exception as e:  # never kill the DDS listener thread
-            self._inbox.put(M.MessageError("malformed", f"could not read a ROS 2 message: {e}"))
+            log.warning("could not take ROS 2 samples: %s", e)
+            return
+        for smp in samples:
+            if isinstance(smp, InvalidSample):
+                continue  # a writer's dispose / unregister (e.g. a robot closing), no data
+            key = self._sender(r, smp)
+            try:
+                item = fn(smp, key)
+            except M.MessageError as e:
+                item = e
+            except Exception as e:  # never kill the DDS listener thread
+                item = M.MessageError("malformed", f"could not read a ROS 2 message: {e}")
+            if item is not None:
+                self._deliver(item, key)
+
+    def _sender(self, r, smp) -> str:
+        """Server: the GUID of the participant that wrote ``smp`` (cached per writer); robot: ``""``."""
+        if self.role == "robot":
+            return ""
+        h = int(smp.sample_info.publication_handle) % _U64
+        key = self._writer_key.get(h)
+        if key is None:
+            pub = r.get_matched_publication_data(h)
+            key = str(pub.participant_key) if pub is not None else f"writer-{h}"
+            with self._lock:
+                self._writer_key[h] = key
+                self._key_handles.setdefault(key, set()).add(h)
+        return key
+
+    def _deliver(self, item, key: str) -> None:
+        if self.role == "robot":
+            self._inbox.put(item)
+            return
+        with self._lock:
+            if key in self._ended:
+                return
+            sess = self._sessions.get(key)
+            if sess is None:
+                sess = self._sessions[key] = Ros2Session(self, key)
+                self._accepted.put(sess)
+        sess._inbox.put(item)
 
     def _write(self, w, msg) -> None:
         if self._closed:
@@ -188,7 +270,18 @@ class Ros2Transport:
             while w.get_publication_matched_status().current_count == 0 and time.monotonic() < t_end:
                 time.sleep(0.01)
             self._writers_matched.add(id(w))
-        w.write(msg)
+        try:
+            w.write(msg)
+        except Exception:
+            if self._closed:  # deleted under the writer by close() from another thread
+                raise ConnectionError("Ros2Transport is closed") from None
+            raise
+
+    def _require_server(self, timeout_s: float, domain_id: int, ns: str) -> None:
+        if not self.wait_for_peer(timeout_s):
+            self.close()
+            raise ConnectionError(f"no ROS 2 policy server on domain {domain_id}, namespace {ns or '/'} within "
+                                  f"{timeout_s:g} s (no reader of {ns}/bridge/to_server discovered)")
 
     def wait_for_peer(self, timeout: float = 5.0) -> bool:
         """Wait until the other side's readers of our control topic are discovered."""
@@ -199,33 +292,78 @@ class Ros2Transport:
             time.sleep(0.01)
         return False
 
-    # ------------------------------------------------------------------ Transport protocol
+    # ------------------------------------------------------------------ Transport protocol (robot)
     def send(self, message: M.Envelope) -> None:
-        k = M.kind(message)
-        if self.role == "robot" and k == "observation":
+        """Robot: publish ``message`` (an observation on the ROS topics, the rest as JSON)."""
+        self._require("robot", "send")
+        if M.kind(message) == "observation":
             self._send_observation(message.observation)
-        elif self.role == "server" and k == "chunk":
-            self._send_chunk(message.chunk)
-        elif self.role == "server" and k == "estop":
-            self._write(self.w_estop, R.Bool(data=True))
-            self._write(self.w_ctrl, R.String(data=json_format.MessageToJson(message, indent=None)))
-        elif k:
+        elif M.kind(message):
             self._write(self.w_ctrl, R.String(data=json_format.MessageToJson(message, indent=None)))
         else:
             raise ValueError("cannot send an empty Envelope")
 
     def recv(self, timeout: float | None = None) -> M.Envelope | None:
+        """Robot: the next message addressed to this robot, or ``None`` after ``timeout`` s.
+
+        Raises:
+            MessageError: a message was rejected (the link stays up).
+        """
+        self._require("robot", "recv")
+        return _get(self._inbox, timeout)
+
+    def _require(self, role: str, what: str) -> None:
+        if self.role != role:
+            raise TypeError(f"Ros2Transport(role={self.role!r}) has no {what}(); "
+                            + ("the server serves sessions: use accept()" if role == "robot" else ""))
+
+    # ------------------------------------------------------------------ sessions (server)
+    def accept(self, timeout: float | None = None) -> Ros2Session | None:
+        """Server: the session of the next robot heard from, or ``None`` after ``timeout`` s."""
+        self._require("server", "accept")
         try:
-            item = self._inbox.get(timeout=timeout)
+            return self._accepted.get(timeout=timeout)
         except queue.Empty:
             return None
-        if isinstance(item, M.MessageError):
-            raise item
-        return item
+
+    def _send_to(self, message: M.Envelope, key: str) -> None:
+        """Server: publish ``message`` addressed to the robot of session ``key``."""
+        k = M.kind(message)
+        if k == "chunk":
+            self._send_chunk(message.chunk, key)
+            return
+        if not k:
+            raise ValueError("cannot send an empty Envelope")
+        if k == "estop":
+            self._write(self.w_estop, R.Bool(data=True))
+        env = M.Envelope()
+        env.CopyFrom(message)
+        env.session = key
+        self._write(self.w_ctrl, R.String(data=json_format.MessageToJson(env, indent=None)))
+
+    def _end_session(self, key: str) -> None:
+        with self._lock:
+            self._sessions.pop(key, None)
+            self._tasks.pop(key, None)
+            self._ended[key] = None
+            while len(self._ended) > _ENDED_KEEP:
+                del self._ended[next(iter(self._ended))]
+            for k in [k for k in self._partial if k[0] == key]:
+                del self._partial[k]
+
+    def _peer_present(self, key: str) -> bool:
+        """Server: whether a writer of session ``key``'s participant is still matched."""
+        if self._closed:
+            return False
+        with self._lock:
+            handles = set(self._key_handles.get(key, ()))
+        matched = {int(h) % _U64 for r in self._readers for h in r.get_matched_publications()}
+        return bool(handles & matched)
 
     def close(self) -> None:
         """Delete this endpoint's DDS entities (readers and writers, topics, participant), from
-        the calling thread. Do not call from inside a listener callback."""
+        the calling thread. Do not call from inside a listener callback. Sessions of a server
+        endpoint raise ``ConnectionError`` from then on."""
         if self._closed:
             return
         self._closed = True
@@ -254,8 +392,10 @@ class Ros2Transport:
         self._write(self.w_js, R.JointState(header=hdr, name=[f"proprio_{i}" for i in range(len(o.proprio))],
                                             position=[float(v) for v in o.proprio]))
 
-    def _on_chunk(self, jt) -> None:
+    def _on_chunk(self, jt, key: str) -> M.Envelope | None:
         meta = _meta_decode(jt.header.frame_id)
+        if meta.get("to") != self.session:
+            return None  # another robot's chunk
         d_a = len(jt.joint_names)
         for i, p in enumerate(jt.points):
             if len(p.positions) != d_a:
@@ -266,49 +406,52 @@ class Ros2Transport:
                              inference_s=float(meta.get("inf", 0.0)), request_id=_int(meta, "req", 0))
         c.actions.extend([v for p in jt.points for v in p.positions])
         M.validate_chunk(c, self.limits)
-        self._inbox.put(M.Envelope(chunk=c))
+        return M.Envelope(chunk=c)
 
-    def _on_estop(self, b) -> None:
-        if b.data:
-            self._inbox.put(M.Envelope(estop=M.pb.EStop(reason="ros2 /estop")))
+    def _on_estop(self, b, key: str) -> M.Envelope | None:
+        return M.Envelope(estop=M.pb.EStop(reason="ros2 /estop")) if b.data else None
 
-    def _on_ctrl(self, s) -> None:
+    def _on_ctrl(self, s, key: str) -> M.Envelope | None:
         env = M.Envelope()
         try:
             json_format.Parse(s.data, env)
         except json_format.ParseError as e:
             raise M.MessageError("malformed", f"bridge control message is not a JSON wmrl.bridge.Envelope: {e}") from None
+        if self.role == "robot" and env.session != self.session:
+            return None  # addressed to another robot
+        env.ClearField("session")
         M.validate(env, self.limits)
         if M.kind(env) == "hello":
-            self._task = env.hello.task
-        self._inbox.put(env)
+            with self._lock:
+                self._tasks[key] = env.hello.task
+        return env
 
     # ------------------------------------------------------------------ server side
-    def _send_chunk(self, c) -> None:
+    def _send_chunk(self, c, key: str) -> None:
         a = M.chunk_array(c).astype(np.float64)
         hdr = R.Header(stamp=R.stamp_from_ns(c.obs_stamp_ns),
                        frame_id=_meta_encode(self.frame, ep=c.episode, step=c.start_step, req=c.request_id,
-                                             inf=f"{c.inference_s:.6f}"))
+                                             inf=f"{c.inference_s:.6f}", to=key))
         pts = [R.JointTrajectoryPoint(positions=row.tolist(), time_from_start=self._dur(i)) for i, row in enumerate(a)]
         self._write(self.w_chunk, R.JointTrajectory(header=hdr, joint_names=self._names(a.shape[1]), points=pts))
 
-    def _part(self, stamp_ns: int) -> dict:
+    def _part(self, key: str, stamp_ns: int) -> dict:
         with self._lock:
             now = time.monotonic()
             for k in [k for k, v in self._partial.items() if now - v["t"] > 5.0]:
                 del self._partial[k]  # never completed (a lost sample): forget it
-            return self._partial.setdefault(stamp_ns, {"t": now, "images": {}, "js": None, "req": None})
+            return self._partial.setdefault((key, stamp_ns), {"t": now, "images": {}, "js": None, "req": None})
 
-    def _on_js(self, js) -> None:
+    def _on_js(self, js, key: str) -> M.Envelope | None:
         meta = _meta_decode(js.header.frame_id)
         if len(js.name) != len(js.position):
             raise M.MessageError("invalid", f"JointState has {len(js.name)} names but {len(js.position)} positions",
                                  _int(meta, "req", 0))
-        p = self._part(R.ns_from_stamp(js.header.stamp))
-        p["js"] = js
-        self._try_complete(R.ns_from_stamp(js.header.stamp))
+        stamp = R.ns_from_stamp(js.header.stamp)
+        self._part(key, stamp)["js"] = js
+        return self._try_complete(key, stamp)
 
-    def _on_img(self, im, cam: str) -> None:
+    def _on_img(self, im, cam: str, key: str) -> M.Envelope | None:
         meta = _meta_decode(im.header.frame_id)
         rid = _int(meta, "req", 0)
         if im.height * im.width > self.limits.max_image_pixels:
@@ -319,27 +462,29 @@ class Ros2Transport:
                                  f"encoding={im.encoding!r} {im.height}x{im.width} step={im.step} "
                                  f"bytes={len(im.data)}", rid)
         stamp = R.ns_from_stamp(im.header.stamp)
-        self._part(stamp)["images"][cam] = im
-        self._try_complete(stamp)
+        self._part(key, stamp)["images"][cam] = im
+        return self._try_complete(key, stamp)
 
-    def _on_req(self, jt) -> None:
+    def _on_req(self, jt, key: str) -> M.Envelope | None:
         stamp = R.ns_from_stamp(jt.header.stamp)
-        self._part(stamp)["req"] = jt
-        self._try_complete(stamp)
+        self._part(key, stamp)["req"] = jt
+        return self._try_complete(key, stamp)
 
-    def _try_complete(self, stamp: int) -> None:
+    def _try_complete(self, key: str, stamp: int) -> M.Envelope | None:
+        """The observation once its JointState, chunk request and every image have arrived."""
         with self._lock:
-            p = self._partial.get(stamp)
+            p = self._partial.get((key, stamp))
             if p is None or p["js"] is None or p["req"] is None:
-                return
+                return None
             meta = _meta_decode(p["js"].header.frame_id)
             if len(p["images"]) < _int(meta, "n", 0):
-                return
-            del self._partial[stamp]
+                return None
+            del self._partial[(key, stamp)]
+            task = self._tasks.get(key, "")
         js, jt = p["js"], p["req"]
         o = M.pb.Observation(episode=_int(meta, "ep"), step=_int(meta, "step"), stamp_ns=stamp,
                              request=bool(_int(meta, "r", 1)), request_id=_int(meta, "req", 0),
-                             delay_steps=_int(meta, "delay", 0), task=self._task)
+                             delay_steps=_int(meta, "delay", 0), task=task)
         o.proprio.extend(js.position)
         for cam, im in p["images"].items():
             o.images.add(camera=cam, height=im.height, width=im.width, data=bytes(im.data))
@@ -351,7 +496,7 @@ class Ros2Transport:
             o.prefix_len = len(jt.points)
             o.prefix_actions.extend([v for pt in jt.points for v in pt.positions])
         M.validate_observation(o, self.limits)
-        self._inbox.put(M.Envelope(observation=o))
+        return M.Envelope(observation=o)
 
     # ------------------------------------------------------------------ helpers
     def _dur(self, i: int) -> R.Duration:
@@ -362,3 +507,57 @@ class Ros2Transport:
         if self.action_names and len(self.action_names) == d_a:
             return list(self.action_names)
         return ACTION_NAMES_7 if d_a == 7 else [f"a{i}" for i in range(d_a)]
+
+
+def _get(inbox: queue.Queue, timeout: float | None):
+    try:
+        item = inbox.get(timeout=timeout)
+    except queue.Empty:
+        return None
+    if isinstance(item, M.MessageError):
+        raise item
+    return item
+
+
+class Ros2Session:
+    """Server side of one robot's session on the shared ROS 2 topics (from
+    :meth:`Ros2Transport.accept`): a transport whose ``recv`` gives what that robot's participant
+    wrote and whose ``send`` addresses the robot.
+
+    ``recv`` raises ``ConnectionError`` once the session was closed, the server endpoint closed,
+    or the robot's participant is no longer discovered (checked every ``peer_check_s``).
+    """
+
+    peer_check_s = 0.1
+
+    def __init__(self, node: Ros2Transport, key: str):
+        self.node = node
+        self.key = key
+        self.address = f"ros2 participant {key}"
+        self._inbox: queue.Queue = queue.Queue()
+        self._closed = False
+        self._next_check = time.monotonic() + self.peer_check_s
+
+    def send(self, message: M.Envelope) -> None:
+        if self._closed or self.node._closed:
+            raise ConnectionError(f"ROS 2 session of {self.key} is closed")
+        self.node._send_to(message, self.key)
+
+    def recv(self, timeout: float | None = None) -> M.Envelope | None:
+        if self._closed or self.node._closed:
+            raise ConnectionError(f"ROS 2 session of {self.key} is closed")
+        item = _get(self._inbox, timeout)
+        if item is None and time.monotonic() > self._next_check:
+            self._next_check = time.monotonic() + self.peer_check_s
+            if not self.node._peer_present(self.key):
+                raise ConnectionError(f"robot {self.key} left (its DDS participant is gone)")
+        return item
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.node._end_session(self.key)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self.node._closed

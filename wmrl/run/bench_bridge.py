@@ -50,6 +50,7 @@ from robot_bridge.messages import Limits
 from robot_bridge.server import PolicyServer
 from robot_bridge.testing import KinematicArm, TrackingPolicy
 from wmrl.run.common import RunContext, run_main
+from wmrl.workers import child_env
 
 log = logging.getLogger("wmrl.bench_bridge")
 REPO = Path(__file__).resolve().parents[2]
@@ -83,7 +84,7 @@ def _start_server_process(kind: str, delay: float, chunk: int, out_dir: Path, do
         args.append(f"transport.address={address}")
     else:
         args.append(f"transport.domain_id={domain_id}")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = child_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))  # die with this process
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     t_end = time.monotonic() + 120
     lines = []
@@ -219,7 +220,7 @@ def run_e2e(cfg: DictConfig, ctx: RunContext) -> list[dict]:
 
     e = cfg.e2e
     rows = []
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = child_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))  # die with this process
     proc_over = [f"process.{k}={'null' if v is None else v}" for k, v in OmegaConf.to_container(cfg.process).items()]
     i = 0
     for kind in e.transports:

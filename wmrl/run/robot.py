@@ -9,11 +9,22 @@ safety layer, and appends every episode (successes, failures, e-stops, watchdog 
 command timestamps, latencies, outcome and failure label to an EpisodeStore. ``arm.kind=target``
 plays any ``RobotInterface`` given by ``arm.target._target_`` instead (e.g. the kinematic test arm).
 See ``robot_bridge.client`` and ``robot_bridge.arm``.
+
+A policy server that cannot be reached (``transport.connect_timeout_s``), or that went away, is
+retried with exponential backoff per ``reconnect`` (each failed try one log line naming the
+address); an episode cut short by the server's death is recorded as ``watchdog`` and the
+remaining episodes run once the server is back.
+
+Exit status: 0 when every episode ran to completion (success or task failure, see
+``robot_bridge.client.episode_ran``); 1 when the node could not start (e.g. no policy server:
+one line on stderr); 3 when an episode was lost (watchdog, e-stop, interruption, or not run
+because the server did not come back); the report is written in both of the latter cases.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 
 import hydra
@@ -23,7 +34,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from robot_bridge.arm import ChunkEnvArm, EpisodeRecorder, run_node
-from robot_bridge.client import ClientConfig
+from robot_bridge.client import ClientConfig, ReconnectPolicy, with_retry
 from robot_bridge.messages import Limits
 from robot_bridge.safety import SafetyLimits
 from wmrl.run.common import RunContext, run_main
@@ -82,6 +93,45 @@ def start_inproc_server(cfg: DictConfig, ctx: RunContext, limits_robot: Limits):
     return robot_end, server
 
 
+def transport_factory(cfg: DictConfig, arm, limits: Limits):
+    """``() -> transport`` opening a new link to the policy server of ``cfg.transport``; its
+    ``ConnectionError`` names the address tried and the setting to change.
+
+    The first try waits ``transport.connect_timeout_s`` (a missing server is reported at once);
+    each further try after a failed one waits twice as long, up to 4x (a slow network still gets
+    through); a try that reaches the server resets it.
+    """
+    kind = cfg.transport.kind
+    make = instantiate(cfg.transport.robot, _partial_=True)
+    base_s = float(cfg.transport.connect_timeout_s)
+    failed = [0]
+    kw = {"limits": limits}
+    if kind == "ros2":
+        kw.update(cameras=list(arm.cameras), control_hz=float(cfg.control.control_hz))
+        hint = (f"start `wmrl serve transport=ros2 transport.domain_id={cfg.transport.domain_id}` or set "
+                f"transport.domain_id / transport.namespace / transport.config to the server's")
+    else:
+        hint = (f"start `wmrl serve transport=grpc transport.address={cfg.transport.address}` or set "
+                f"transport.address to where it listens")
+
+    def open_link():
+        try:
+            t = make(**kw, connect_timeout_s=base_s * 2 ** min(failed[0], 2))
+        except ConnectionError as e:
+            failed[0] += 1
+            raise ConnectionError(f"{e}; {hint}") from None
+        failed[0] = 0
+        return t
+
+    return open_link
+
+
+def reconnect_policy(cfg: DictConfig) -> ReconnectPolicy:
+    r = cfg.reconnect
+    return ReconnectPolicy(attempts=int(r.attempts), backoff_s=float(r.backoff_s), backoff_max_s=float(r.backoff_max_s),
+                           give_up_after_s=None if r.give_up_after_s is None else float(r.give_up_after_s))
+
+
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from wmrl.storage import EpisodeStore
 
@@ -90,23 +140,27 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     tuned = tune_process(cfg.process.get("nice"), cfg.process.get("switch_interval_s"))
     arm, action_space, embodiment = build_arm(cfg)
     limits = Limits(action_dim=arm.action_dim)
-    if cfg.transport.kind == "inproc":
-        transport, _ = start_inproc_server(cfg, ctx, limits)
-    elif cfg.transport.kind == "ros2":
-        transport = instantiate(cfg.transport.robot, limits=limits, cameras=list(arm.cameras),
-                                control_hz=float(cfg.control.control_hz))
-    else:
-        transport = instantiate(cfg.transport.robot, limits=limits)
-    store_path = ctx.path(cfg.store) if cfg.get("store") else ctx.out_dir / "episodes"
-    store = EpisodeStore.open_or_create(
-        store_path, cameras={c: tuple(arm.image_size) for c in arm.cameras}, state_dim=arm.state_dim,
-        action_dim=arm.action_dim, fps=float(cfg.control.control_hz), action_space=action_space,
-        embodiment=embodiment, source="robot_bridge")
     client_cfg = ClientConfig(**OmegaConf.to_container(cfg.control, resolve=True))
     safety = SafetyLimits(**OmegaConf.to_container(cfg.safety, resolve=True))
+    critic = build_critic(cfg, ctx)
+    factory, reconnect = None, reconnect_policy(cfg)
+    if cfg.transport.kind == "inproc":
+        transport, _ = start_inproc_server(cfg, ctx, limits)
+    else:  # reach the server before the store is created (a missing one leaves nothing behind)
+        factory = transport_factory(cfg, arm, limits)
+        transport = with_retry(factory, reconnect)
+    store_path = ctx.path(cfg.store) if cfg.get("store") else ctx.out_dir / "episodes"
+    try:
+        store = EpisodeStore.open_or_create(
+            store_path, cameras={c: tuple(arm.image_size) for c in arm.cameras}, state_dim=arm.state_dim,
+            action_dim=arm.action_dim, fps=float(cfg.control.control_hz), action_space=action_space,
+            embodiment=embodiment, source="robot_bridge")
+    except BaseException:
+        transport.close()
+        raise
     recorder = EpisodeRecorder(store)
     summary = run_node(arm, transport, int(cfg.episodes), client_cfg, safety=safety, recorder=recorder,
-                       critic=build_critic(cfg, ctx))
+                       critic=critic, transport_factory=factory, reconnect=reconnect)
     summary["store"] = str(store_path)
     summary["recorded"] = recorder.indices
     summary["transport"] = cfg.transport.kind
@@ -118,9 +172,18 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     return summary
 
 
+EXIT_EPISODES_LOST = 3
+
+
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="robot")
 def main(cfg: DictConfig) -> None:
-    run_main(cfg, run, "robot", errors=(ValueError, ConnectionError, TimeoutError))
+    report = run_main(cfg, run, "robot", errors=(ValueError, ConnectionError, TimeoutError))
+    lost = report["episodes_lost"]
+    if lost:
+        why = f"; the policy server did not come back: {report['gave_up']}" if report["gave_up"] else ""
+        print(f"wmrl robot: {len(lost)} of {report['episodes_planned']} episodes did not run to completion "
+              f"(episodes {lost}){why}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_EPISODES_LOST)
 
 
 if __name__ == "__main__":

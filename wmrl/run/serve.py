@@ -5,7 +5,10 @@
 
 Loads a policy (``checkpoint`` via ``wmrl.checkpoint.load_checkpoint``, or ``policy._target_``),
 wraps a flow-matching policy for real-time chunking (:class:`FlowRTCAdapter`) and serves robot
-connections (``wmrl robot``) one at a time. Prints ``wmrl-serve ready <address>`` once listening.
+connections (``wmrl robot``), up to ``max_sessions`` at once; one more is told ``[busy]``
+(``on_busy=reject``) or waits (``on_busy=queue``); a connection that says no ``Hello`` within
+``hello_timeout_s``, or nothing but heartbeats for ``idle_timeout_s``, is ended with
+``[timeout]``. Prints ``wmrl-serve ready <address>`` once listening.
 See ``robot_bridge.server.PolicyServer``.
 """
 
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 
 import hydra
 import torch
@@ -21,7 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from robot_bridge.messages import Limits
-from robot_bridge.server import PolicyServer
+from robot_bridge.server import PolicyServer, SessionLimits
 from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.serve")
@@ -90,43 +92,42 @@ def make_server(cfg: DictConfig, ctx: RunContext) -> PolicyServer:
                                       max_message_bytes=int(cfg.get("max_message_bytes", 4 * 1024 * 1024))))
 
 
+def session_limits(cfg: DictConfig) -> SessionLimits:
+    """``max_sessions``, ``on_busy``, ``hello_timeout_s``, ``idle_timeout_s`` of ``cfg``."""
+    def opt(key):
+        v = cfg.get(key)
+        return None if v is None else float(v)
+
+    return SessionLimits(max_sessions=int(cfg.max_sessions), on_busy=str(cfg.on_busy),
+                         hello_timeout_s=opt("hello_timeout_s"), idle_timeout_s=opt("idle_timeout_s"))
+
+
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     if cfg.transport.kind == "inproc":
         raise ValueError("transport=inproc runs the server inside `wmrl robot`; use transport=grpc or ros2")
     from robot_bridge.process import tune_process
 
     tuned = tune_process(cfg.process.get("nice"), cfg.process.get("switch_interval_s"))
+    limits = session_limits(cfg)
     server = make_server(cfg, ctx)
-    endpoint = instantiate(cfg.transport.server, limits=server.limits)
+    extra = {"max_streams": limits.max_sessions + 4} if cfg.transport.kind == "grpc" else {}  # room to say [busy]
+    endpoint = instantiate(cfg.transport.server, limits=server.limits, **extra)
     address = getattr(endpoint, "address", f"ros2 domain {cfg.transport.get('domain_id')}")
     print(f"wmrl-serve ready {address}", flush=True)
-    sessions = []
-    max_conn = int(cfg.max_connections)
     try:
-        while max_conn <= 0 or len(sessions) < max_conn:
-            if hasattr(endpoint, "accept"):  # gRPC: one transport per robot stream
-                conn = endpoint.accept(timeout=float(cfg.accept_timeout_s))
-                if conn is None:
-                    log.info("no robot connected within %s s; exiting", cfg.accept_timeout_s)
-                    break
-            else:  # ROS 2: the topics are the connection
-                conn = endpoint
-            t0 = time.monotonic()
-            stats = server.serve(conn, idle_timeout_s=float(cfg.idle_timeout_s))
-            sessions.append({"duration_s": time.monotonic() - t0, "requests": stats["requests"],
-                             "chunks": stats["chunks"], "rejected": stats["rejected"]})
-            server.stats.update(requests=0, chunks=0, rejected=0, errors_sent=0)
-            if conn is endpoint and stats["requests"] == 0:
-                break  # ROS 2 idle timeout with nobody there
+        server.serve_endpoint(endpoint, limits, accept_timeout_s=float(cfg.accept_timeout_s),
+                              max_connections=int(cfg.max_connections))
     except KeyboardInterrupt:
         log.info("interrupted")
     finally:
+        server.stop()
         if hasattr(endpoint, "stop"):
             endpoint.stop(0)
         elif hasattr(endpoint, "close"):
             endpoint.close()
     inf = server.stats["inference_s"]
-    return {"sessions": sessions, "address": address, "process": tuned,
+    return {"sessions": list(server.sessions), "address": address, "process": tuned,
+            "busy_refused": server.stats["busy"], "sessions_timed_out": server.stats["timeouts"],
             "inference_s_mean": sum(inf) / len(inf) if inf else None, "inference_calls": len(inf)}
 
 

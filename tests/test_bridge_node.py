@@ -123,7 +123,8 @@ def test_bench_bridge_inproc_smoke(tmp_path):
     from wmrl.run import bench_bridge
 
     cfg = _cfg("bench_bridge", ["transports=[inproc]", "delays_s=[0.1]", "jerk_delay_s=0.1", "duration_s=2",
-                                "settle_s=0.5", "image_size=[8,8]"])
+                                "settle_s=0.5", "image_size=[8,8]",
+                                "process.nice=null"])   # in process: keep the test process's priority
     rep = bench_bridge.run(cfg, RunContext(cfg, out_dir=tmp_path))
     assert {r["merge"] for r in rep["runs"]} == {"latency_aware", "naive"}
     s = rep["summary"]["inproc"]

@@ -64,6 +64,7 @@ log = logging.getLogger("robot_bridge.transports.ros2")
 
 _DOMAINS: dict = {}
 _LIVE: set = set()
+POLL_S = 0.001  # reader poll period while every reader is empty (s): at most this much added latency
 _DOMAINS_LOCK = threading.Lock()
 
 ACTION_NAMES_7 = ["dx", "dy", "dz", "dax", "day", "daz", "gripper"]
@@ -129,7 +130,7 @@ class Ros2Transport:
                  namespace: str = "/wmrl", limits: M.Limits | None = None, config: str | None = None,
                  control_hz: float = 20.0, frame: str = "base", action_names: list[str] | None = None,
                  match_timeout_s: float = 3.0, connect_timeout_s: float | None = None):
-        from cyclonedds.core import Listener, Qos, Policy
+        from cyclonedds.core import Qos, Policy
         from cyclonedds.domain import Domain, DomainParticipant
         from cyclonedds.pub import DataWriter
         from cyclonedds.sub import DataReader
@@ -146,6 +147,7 @@ class Ros2Transport:
         self.match_timeout_s = match_timeout_s
         self._inbox: queue.Queue = queue.Queue()
         self._closed = False
+        self._poller: threading.Thread | None = None
         self._lock = threading.Lock()
         self._init_sessions()
         cfg = loopback_config() if config is None else config
@@ -173,9 +175,12 @@ class Ros2Transport:
         t_to_robot = topic("bridge/to_robot", R.String)
         self._writers_matched: set[int] = set()
 
+        self._polled: list = []  # (reader, handler), taken by the poller thread
+
         def reader(t, fn):
-            r = DataReader(self.dp, t, qos=qos, listener=Listener(on_data_available=lambda r: self._take(fn, r)))
+            r = DataReader(self.dp, t, qos=qos)
             self._entities.insert(0, r)
+            self._polled.append((r, fn))
             return r
 
         def writer(t):
@@ -197,10 +202,10 @@ class Ros2Transport:
             self._readers = [reader(t_js, self._on_js), reader(t_req, self._on_req), reader(t_to_server, self._on_ctrl)]
             self._readers += [reader(t, lambda im, key, c=c: self._on_img(im, c, key)) for c, t in t_img.items()]
         self.session = str(self.dp.guid) if role == "robot" else ""
-        # Keep the DDS entities reachable until close(): Cyclone waits for running listeners when
-        # an entity is deleted, so one collected by Python's GC inside a listener callback (which
-        # runs in the writer's thread for local readers) would deadlock.
+        # Keep the DDS entities reachable until close(), which stops the poller before deleting them.
         _LIVE.add(self)
+        self._poller = threading.Thread(target=self._poll_loop, daemon=True, name=f"ros2-{role}-poll")
+        self._poller.start()
         if role == "robot" and connect_timeout_s is not None:
             self._require_server(connect_timeout_s, domain_id, ns)
 
@@ -214,14 +219,31 @@ class Ros2Transport:
         self._tasks: dict[str, str] = {}  # session -> instruction from its Hello (ROS topics carry no text)
 
     # ------------------------------------------------------------------ plumbing
-    def _take(self, fn, r) -> None:
-        """Listener body: hand every new sample to ``fn(sample, session) -> envelope | None`` and
-        deliver the result (or the ``MessageError`` it raised) to the sender's session."""
+    def _poll_loop(self) -> None:
+        """Take the samples of every reader from this Python thread, ``POLL_S`` apart while all are
+        empty. No DDS listener: cyclonedds-python's write/take hold the GIL inside Cyclone, while a
+        listener callback runs in a Cyclone thread and needs the GIL, so a write blocked on a lock
+        that thread holds froze every thread of the process (seen with several endpoints in one
+        process: a robot's connect() never returned). Polling keeps Cyclone's threads out of Python."""
+        while not self._closed:
+            got = 0
+            for r, fn in self._polled:
+                if self._closed:
+                    return
+                got += self._take(fn, r)
+            if not got:
+                time.sleep(POLL_S)
+
+    def _take(self, fn, r) -> int:
+        """Hand every new sample of ``r`` to ``fn(sample, session) -> envelope | None`` and deliver
+        the result (or the ``MessageError`` it raised) to the sender's session. Returns the
+        number of samples taken."""
         try:
             samples = r.take(N=64)
-        except Exception as e:  # never kill the DDS listener thread
-            log.warning("could not take ROS 2 samples: %s", e)
-            return
+        except Exception as e:  # never kill the poller thread
+            if not self._closed:
+                log.warning("could not take ROS 2 samples: %s", e)
+            return 0
         for smp in samples:
             if isinstance(smp, InvalidSample):
                 continue  # a writer's dispose / unregister (e.g. a robot closing), no data
@@ -230,10 +252,11 @@ class Ros2Transport:
                 item = fn(smp, key)
             except M.MessageError as e:
                 item = e
-            except Exception as e:  # never kill the DDS listener thread
+            except Exception as e:  # never kill the poller thread
                 item = M.MessageError("malformed", f"could not read a ROS 2 message: {e}")
             if item is not None:
                 self._deliver(item, key)
+        return len(samples)
 
     def _sender(self, r, smp) -> str:
         """Server: the GUID of the participant that wrote ``smp`` (cached per writer); robot: ``""``."""
@@ -362,11 +385,13 @@ class Ros2Transport:
 
     def close(self) -> None:
         """Delete this endpoint's DDS entities (readers and writers, topics, participant), from
-        the calling thread. Do not call from inside a listener callback. Sessions of a server
+        the calling thread, after the poller thread has stopped. Sessions of a server
         endpoint raise ``ConnectionError`` from then on."""
         if self._closed:
             return
         self._closed = True
+        if self._poller is not None and self._poller is not threading.current_thread():
+            self._poller.join(timeout=5.0)
         for e in [*self._entities, self.dp]:
             try:
                 e.__del__()  # cyclonedds deletes on __del__; explicit, so it never happens in a callback

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -205,6 +206,23 @@ def make_video_dataset(root: Path, lengths=(4, 5), fps=10, hw=(32, 32)):
                                               "names": ["height", "width", "channels"]},
              "observation.state": {"dtype": "float32", "shape": (3,), "names": None},
              "action": {"dtype": "float32", "shape": (2,), "names": None}}
+    with keep_scheduling():
+        return _encode_video_dataset(LeRobotDataset, root, lengths, fps, hw, feats)
+
+
+@contextmanager
+def keep_scheduling():
+    """lerobot's AV1 encoder (SVT-AV1 through PyAV) switches the calling thread to SCHED_FIFO where it
+    may (as root): every later test and child process would then run at real-time priority (a CPU-bound
+    child pinned to a core starved its sibling for good). Put the thread's policy back."""
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, policy, param)
+
+
+def _encode_video_dataset(LeRobotDataset, root, lengths, fps, hw, feats):
     ds = LeRobotDataset.create(repo_id="local/video", fps=fps, features=feats, root=root, use_videos=True)
     rng = np.random.default_rng(0)
     frames = []
@@ -251,9 +269,11 @@ def test_video_dataset_with_a_late_last_frame_imports_the_same_frames(tmp_path, 
     assert abs(float(late_ts[8]) - 0.4005) < 1e-6 and abs(float(late_ts[3]) - 0.3005) < 1e-6
     asp = {"controller": "JOINT_VELOCITY", "mode": "absolute", "dim": 2}
     monkeypatch.setattr(lerobot_io, "VIDEO_DECODE_CHUNK", 3)           # episodes of 4, 5 frames span chunks
+    policy = os.sched_getscheduler(0)
     for name in ("exact", "late"):
         cfg = cfg_of("import", source=str(tmp_path / name), out=str(tmp_path / f"{name}_store"), action_space=asp)
         assert run(cfg, RunContext(cfg, out_dir=tmp_path / f"run_{name}"))["lengths"] == [4, 5]
+    assert os.sched_getscheduler(0) == policy   # decoding leaves the thread's scheduling alone
     exact, late = EpisodeStore.open(tmp_path / "exact_store"), EpisodeStore.open(tmp_path / "late_store")
     assert_same_episodes(exact, late)
     ds = LeRobotDataset("local/video", root=tmp_path / "exact")

@@ -313,3 +313,45 @@ def test_post_train_killed_three_times_resumes_bitwise(tmp_path, monkeypatch):
 
     assert strip(full["history"]) == strip(resumed["history"]) and full["evals"] == resumed["evals"]
     assert full["debias_state"] == resumed["debias_state"]
+
+
+def _wm_child(which: str, out: str) -> None:
+    torch.set_num_threads(1)
+    cfg, kw, fn = (WM_TINY, WM_KW, train_world_model) if which == "worldmodel" else (CRITIC_TINY, CRITIC_KW, train_critic)
+    frames = EpisodeFrames(make_episodes(6, length=20, size=32, seed=1))
+    fn(fresh(cfg), cfg, frames, Path(out), **{**kw, "steps": 300, "checkpoint_every": 20})
+
+
+@pytest.mark.parametrize("which", ["worldmodel", "critic"])
+def test_worldmodel_and_critic_sigkilled_three_times_resume_bitwise(which, tmp_path):
+    """Fresh processes throughout (as for BC above): the reference, three runs SIGKILLed at random
+    moments after a new checkpoint, and the run that finishes."""
+    ctx, rng, landed = mp.get_context("spawn"), random.Random(11), 0
+
+    def run(out: Path) -> None:
+        proc = ctx.Process(target=_wm_child, args=(which, str(out)))
+        proc.start()
+        proc.join(300)
+        assert proc.exitcode == 0
+
+    run(tmp_path / "full")
+    ck = tmp_path / "killed" / "checkpoints"
+    for _ in range(3):
+        proc = ctx.Process(target=_wm_child, args=(which, str(tmp_path / "killed")))
+        seen = {d.name for d in ck.glob("step_*")} if ck.is_dir() else set()
+        proc.start()
+        t0 = time.time()
+        while proc.is_alive() and time.time() - t0 < 120 and not (
+                ck.is_dir() and {d.name for d in ck.glob("step_*")} - seen):
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.3))
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+            landed += 1
+        proc.join(30)
+    assert landed >= 2, "the child finished before the kills: make the run longer"
+    run(tmp_path / "killed")
+    assert_same_checkpoint(tmp_path / "full" / "checkpoints" / "last", ck / "last")
+    full = json.loads((tmp_path / "full" / "checkpoints" / "last" / "meta.json").read_text())["report"]
+    resumed = json.loads((ck / "last" / "meta.json").read_text())["report"]
+    assert resumed["resumed_from"] is not None and same_report(full, resumed)

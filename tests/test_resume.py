@@ -68,6 +68,18 @@ def kill_steps(total: int, every: int, seed: int) -> list[int]:
     return out
 
 
+def interrupt_three_times(make_model, train, steps: int, every: int, run_dir: Path, seed: int) -> None:
+    """``train(model)`` on a fresh ``make_model()`` three times, each stopped by :class:`Killed` from
+    the model's loss at a random step (:func:`kill_steps`) after the checkpoint it resumes from."""
+    for k in kill_steps(steps, every, seed=seed):
+        m = make_model()
+        last = run_dir / "checkpoints" / "last"
+        done = json.loads((last / "meta.json").read_text())["step"] if last.exists() else 0
+        kill_at(m, "loss", k - done)
+        with pytest.raises(Killed):
+            train(m)
+
+
 def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
     t = load_file(str(folder / "model.safetensors"))
     if (folder / "extra.safetensors").is_file():
@@ -126,13 +138,8 @@ def test_bc_killed_three_times_resumes_bitwise(bc_data, tmp_path):
 
     store, ds = bc_data
     full = train_bc(fresh_policy(store), ds, BC_CFG, tmp_path / "full", val_dataset=ds)
-    for k in kill_steps(BC_CFG["steps"], BC_CFG["ckpt_every"], seed=1):
-        p = fresh_policy(store)
-        last = tmp_path / "killed" / "checkpoints" / "last"
-        done = json.loads((last / "meta.json").read_text())["step"] if last.exists() else 0
-        kill_at(p, "loss", k - done)
-        with pytest.raises(Killed):
-            train_bc(p, ds, BC_CFG, tmp_path / "killed", val_dataset=ds)
+    interrupt_three_times(lambda: fresh_policy(store), lambda m: train_bc(m, ds, BC_CFG, tmp_path / "killed", val_dataset=ds),
+                          BC_CFG["steps"], BC_CFG["ckpt_every"], tmp_path / "killed", seed=1)
     resumed = train_bc(fresh_policy(store), ds, BC_CFG, tmp_path / "killed", val_dataset=ds)
     assert resumed["resumed_from"] is not None
     assert_same_checkpoint(tmp_path / "full" / "checkpoints" / "last", tmp_path / "killed" / "checkpoints" / "last")
@@ -169,38 +176,50 @@ def _bc_child(store_path: str, out: str) -> None:
              out)
 
 
-def _run_child(ctx, store, out: Path) -> None:
-    proc = ctx.Process(target=_bc_child, args=(str(store.path), str(out)))
+def run_to_end(target, args: tuple) -> None:
+    """Run ``target(*args)`` in a fresh (spawned) process to its end."""
+    proc = mp.get_context("spawn").Process(target=target, args=args)
     proc.start()
     proc.join(300)
     assert proc.exitcode == 0
 
 
-def test_bc_sigkilled_three_times_resumes_bitwise(bc_data, tmp_path):
-    """Every run in a fresh process, as every command is: bf16 CPU kernels can round differently in
-    a process that has computed other things before (the uninterrupted run is a fresh process too)."""
-    store, _ = bc_data
-    ctx, rng, landed = mp.get_context("spawn"), random.Random(7), 0
-    _run_child(ctx, store, tmp_path / "full")
-    ck = tmp_path / "killed" / "checkpoints"
+def sigkill_three_times(target, args: tuple, ck: Path, seed: int, max_delay_s: float) -> None:
+    """Start ``target(*args)`` in a fresh process three times and SIGKILL it each time at a random
+    moment (up to ``max_delay_s``) after a new ``ck/step_*`` checkpoint appears: mid-step or mid-save."""
+    ctx, rng, landed = mp.get_context("spawn"), random.Random(seed), 0
     for _ in range(3):
-        proc = ctx.Process(target=_bc_child, args=(str(store.path), str(tmp_path / "killed")))
+        proc = ctx.Process(target=target, args=args)
         seen = {d.name for d in ck.glob("step_*")} if ck.is_dir() else set()
         proc.start()
         t0 = time.time()
         while proc.is_alive() and time.time() - t0 < 120 and not (
                 ck.is_dir() and {d.name for d in ck.glob("step_*")} - seen):
             time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 0.4))   # a random moment after a new checkpoint: mid-step or mid-save
+        time.sleep(rng.uniform(0.0, max_delay_s))
         if proc.is_alive():
             os.kill(proc.pid, signal.SIGKILL)
             landed += 1
         proc.join(30)
     assert landed >= 2, "the child finished before the kills: make the run longer"
-    _run_child(ctx, store, tmp_path / "killed")
+
+
+def final_reports(tmp_path: Path) -> tuple[dict, dict]:
+    """The reports saved in the final checkpoints of the ``full`` and ``killed`` runs."""
+    return tuple(json.loads((tmp_path / d / "checkpoints" / "last" / "meta.json").read_text())["report"]
+                 for d in ("full", "killed"))
+
+
+def test_bc_sigkilled_three_times_resumes_bitwise(bc_data, tmp_path):
+    """Every run in a fresh process, as every command is: bf16 CPU kernels can round differently in
+    a process that has computed other things before (the uninterrupted run is a fresh process too)."""
+    store, _ = bc_data
+    run_to_end(_bc_child, (str(store.path), str(tmp_path / "full")))
+    ck = tmp_path / "killed" / "checkpoints"
+    sigkill_three_times(_bc_child, (str(store.path), str(tmp_path / "killed")), ck, seed=7, max_delay_s=0.4)
+    run_to_end(_bc_child, (str(store.path), str(tmp_path / "killed")))
     assert_same_checkpoint(tmp_path / "full" / "checkpoints" / "last", ck / "last")
-    full = json.loads((tmp_path / "full" / "checkpoints" / "last" / "meta.json").read_text())["report"]
-    resumed = json.loads((ck / "last" / "meta.json").read_text())["report"]
+    full, resumed = final_reports(tmp_path)
     assert resumed["steps"] == 400 and resumed["resumed_from"] is not None
     assert resumed["final_loss"] == full["final_loss"]
 
@@ -227,13 +246,8 @@ CRITIC_KW = dict(steps=30, batch_size=8, lr=3e-3, warmup=3, checkpoint_every=5, 
 def test_worldmodel_and_critic_killed_three_times_resume_bitwise(which, frames, tmp_path):
     cfg, kw, fn = (WM_TINY, WM_KW, train_world_model) if which == "worldmodel" else (CRITIC_TINY, CRITIC_KW, train_critic)
     full = fn(fresh(cfg), cfg, frames, tmp_path / "full", heldout=frames, **kw)
-    for k in kill_steps(kw["steps"], kw["checkpoint_every"], seed=3):
-        m = fresh(cfg)
-        last = tmp_path / "killed" / "checkpoints" / "last"
-        done = json.loads((last / "meta.json").read_text())["step"] if last.exists() else 0
-        kill_at(m, "loss", k - done)
-        with pytest.raises(Killed):
-            fn(m, cfg, frames, tmp_path / "killed", heldout=frames, **kw)
+    interrupt_three_times(lambda: fresh(cfg), lambda m: fn(m, cfg, frames, tmp_path / "killed", heldout=frames, **kw),
+                          kw["steps"], kw["checkpoint_every"], tmp_path / "killed", seed=3)
     resumed = fn(fresh(cfg), cfg, frames, tmp_path / "killed", heldout=frames, **kw)
     assert resumed["resumed_from"] is not None and resumed["steps"] == kw["steps"]
     assert_same_checkpoint(tmp_path / "full" / "checkpoints" / "last", tmp_path / "killed" / "checkpoints" / "last")
@@ -326,32 +340,10 @@ def _wm_child(which: str, out: str) -> None:
 def test_worldmodel_and_critic_sigkilled_three_times_resume_bitwise(which, tmp_path):
     """Fresh processes throughout (as for BC above): the reference, three runs SIGKILLed at random
     moments after a new checkpoint, and the run that finishes."""
-    ctx, rng, landed = mp.get_context("spawn"), random.Random(11), 0
-
-    def run(out: Path) -> None:
-        proc = ctx.Process(target=_wm_child, args=(which, str(out)))
-        proc.start()
-        proc.join(300)
-        assert proc.exitcode == 0
-
-    run(tmp_path / "full")
+    run_to_end(_wm_child, (which, str(tmp_path / "full")))
     ck = tmp_path / "killed" / "checkpoints"
-    for _ in range(3):
-        proc = ctx.Process(target=_wm_child, args=(which, str(tmp_path / "killed")))
-        seen = {d.name for d in ck.glob("step_*")} if ck.is_dir() else set()
-        proc.start()
-        t0 = time.time()
-        while proc.is_alive() and time.time() - t0 < 120 and not (
-                ck.is_dir() and {d.name for d in ck.glob("step_*")} - seen):
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 0.3))
-        if proc.is_alive():
-            os.kill(proc.pid, signal.SIGKILL)
-            landed += 1
-        proc.join(30)
-    assert landed >= 2, "the child finished before the kills: make the run longer"
-    run(tmp_path / "killed")
+    sigkill_three_times(_wm_child, (which, str(tmp_path / "killed")), ck, seed=11, max_delay_s=0.3)
+    run_to_end(_wm_child, (which, str(tmp_path / "killed")))
     assert_same_checkpoint(tmp_path / "full" / "checkpoints" / "last", ck / "last")
-    full = json.loads((tmp_path / "full" / "checkpoints" / "last" / "meta.json").read_text())["report"]
-    resumed = json.loads((ck / "last" / "meta.json").read_text())["report"]
+    full, resumed = final_reports(tmp_path)
     assert resumed["resumed_from"] is not None and same_report(full, resumed)

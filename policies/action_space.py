@@ -1,7 +1,7 @@
 """Action-space conventions, declared once per embodiment and applied in one place.
 
 A policy outputs actions in the action space of the data it was trained on (declared by the
-``EpisodeStore`` metadata, ``store.meta["action_space"]``, a :class:`wmrl.types.ActionSpace`).
+``EpisodeStore`` metadata, ``store.meta["action_space"]``, a :class:`wmrl.kernel.types.ActionSpace`).
 An environment takes actions in its own declared space. Everything that differs between the two
 (gripper sign and range, and the declared clipping range) is converted here, by
 :class:`ActionConverter`, and nowhere else. Differences that cannot be converted without the robot
@@ -9,7 +9,7 @@ state (``delta`` vs ``absolute`` control, rotation representation, frame, contro
 ``ValueError`` that names the differing field: such data must be converted when it is imported,
 never silently at run time.
 
-Conventions (see ``wmrl.types``): the gripper command is the **last** action dimension; its two
+Conventions (see ``wmrl.kernel.types``): the gripper command is the **last** action dimension; its two
 declared values are ``gripper_open`` and ``gripper_close`` (robosuite: ``-1`` open, ``+1`` close).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from wmrl.types import PANDA_OSC_POSE, ActionSpace
+from wmrl.kernel.types import PANDA_OSC_POSE, ActionSpace
 
 #: The action spaces of the embodiments this project knows, declared once.
 #: ``panda``: robosuite Panda with ``OSC_POSE`` delta control (xyz and axis-angle deltas scaled to

@@ -24,7 +24,7 @@ Architecture (sizes for the default config, ``configs/policy/flow_vla.yaml``)::
   the SDE sampler (exact chain log-probs) for GRPO. Swap with ``policy.sampler = SDESampler(...)``.
 * Output: the sampler's final normalised chunk is unnormalised with the stored statistics
   (``quantile`` or ``mean_std``, buffers saved in the checkpoint) and clipped to the declared action
-  space (``wmrl.types.ActionSpace``; see ``policies.action_space``). Log-probs are of the pre-clip
+  space (``wmrl.kernel.types.ActionSpace``; see ``policies.action_space``). Log-probs are of the pre-clip
   normalised chain.
 """
 
@@ -38,11 +38,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from policies.action_space import as_action_space, clip_to_space
-from policies.samplers import EulerODESampler, SDESampler, check_sample_extras, sample_extras
+from policies.samplers import (
+    EulerODESampler,
+    SDESampler,
+    check_sample_extras,
+    sample_extras,
+)
 from policies.text import EMBED_DIM, encode_instructions
-from wmrl.storage import Normalizer, masked_mse
-from wmrl.types import AGENTVIEW, EYE_IN_HAND, Obs, PolicySample
-
+from wmrl.kernel.storage import Normalizer, masked_mse
+from wmrl.kernel.types import AGENTVIEW, EYE_IN_HAND, Obs, PolicySample
 
 # ----------------------------------------------------------------------------- building blocks
 
@@ -186,7 +190,7 @@ def random_shift(x: torch.Tensor, pad: int, generator: torch.Generator | None = 
 # ----------------------------------------------------------------------------- the policy
 
 class FlowVLAPolicy(nn.Module):
-    """Multi-task flow-matching VLA policy implementing ``wmrl.interfaces.Policy``.
+    """Multi-task flow-matching VLA policy implementing ``wmrl.kernel.interfaces.Policy``.
 
     Args:
         cameras: camera names read from ``Obs.images`` (each ``uint8 (B, 3, Hi, Wi)``).
@@ -258,7 +262,7 @@ class FlowVLAPolicy(nn.Module):
         return self.lang_proj[0].weight.device
 
     def set_norm_stats(self, stats) -> "FlowVLAPolicy":
-        """Copy the ``"proprio"`` and ``"actions"`` statistics of a ``wmrl.storage.NormStats`` (e.g.
+        """Copy the ``"proprio"`` and ``"actions"`` statistics of a ``wmrl.kernel.storage.NormStats`` (e.g.
         ``store.stats()``) into the buffers (saved in the checkpoint)."""
         self.normalizer.set_stats(stats)
         return self
@@ -303,7 +307,7 @@ class FlowVLAPolicy(nn.Module):
 
     # ------------------------------------------------------------------ training
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
-        """Flow-matching BC loss on a batch of windows (``wmrl.storage.WindowDataset`` items, collated).
+        """Flow-matching BC loss on a batch of windows (``wmrl.kernel.storage.WindowDataset`` items, collated).
 
         Args:
             batch: ``images[cam]`` ``uint8 (B, n_obs, 3, Hi, Wi)`` or ``(B, 3, Hi, Wi)`` (the last

@@ -1,4 +1,4 @@
-"""LeRobot flow-matching VLAs (SmolVLA, pi0, pi0.5) behind the ``wmrl.interfaces.Policy`` protocol,
+"""LeRobot flow-matching VLAs (SmolVLA, pi0, pi0.5) behind the ``wmrl.kernel.interfaces.Policy`` protocol,
 with exact chain log-probabilities through this project's samplers.
 
 How it works
@@ -57,8 +57,8 @@ from torch import nn
 
 from policies.action_space import as_action_space, clip_to_space
 from policies.samplers import EulerODESampler, check_sample_extras, sample_extras
-from wmrl.storage import Normalizer
-from wmrl.types import AGENTVIEW, EYE_IN_HAND, Obs, PolicySample
+from wmrl.kernel.storage import Normalizer
+from wmrl.kernel.types import AGENTVIEW, EYE_IN_HAND, Obs, PolicySample
 
 OBS_STATE = "observation.state"
 OBS_LANGUAGE_TOKENS = "observation.language.tokens"
@@ -219,7 +219,7 @@ class LeRobotFlowPolicy(nn.Module):
         return next(self.lerobot_policy.parameters()).device
 
     def set_norm_stats(self, stats) -> "LeRobotFlowPolicy":
-        """Statistics of ``"proprio"`` and ``"actions"`` (``wmrl.storage.NormStats``)."""
+        """Statistics of ``"proprio"`` and ``"actions"`` (``wmrl.kernel.storage.NormStats``)."""
         self.normalizer.set_stats(stats)
         return self
 
@@ -305,7 +305,12 @@ def write_tiny_smolvlm(folder: str | Path, hidden: int = 64, layers: int = 2, im
     """Write a tiny random SmolVLM backbone description (``config.json`` + processor files) to
     ``folder`` so that ``SmolVLMWithExpertModel(model_id=folder, load_vlm_weights=False)`` builds
     offline. Needs ``num2words`` (SmolVLM's processor imports it)."""
-    from transformers import SmolVLMConfig, SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+    from transformers import (
+        SmolVLMConfig,
+        SmolVLMImageProcessor,
+        SmolVLMProcessor,
+        SmolVLMVideoProcessor,
+    )
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

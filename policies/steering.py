@@ -13,8 +13,8 @@ conditioning (``FlowVLAPolicy.encode``) and ``f`` an MLP whose last layer starts
 initialisation the deterministic steered policy (``std = 0``: ``w = mean = 0``) *is* the BC policy
 with its evaluation sampler ``EulerODESampler(noise_scale=0)``.
 
-``LatentNoisePolicy`` implements ``wmrl.interfaces.Policy`` and is saved / loaded with
-``wmrl.checkpoint`` like any policy (the checkpoint holds the frozen base and the noise head).
+``LatentNoisePolicy`` implements ``wmrl.kernel.interfaces.Policy`` and is saved / loaded with
+``wmrl.kernel.checkpoint`` like any policy (the checkpoint holds the frozen base and the noise head).
 Exploration is set through its ``sampler`` (``LatentNoiseSampler(std)``; ``std = 0`` evaluates the
 mean), the same attribute GRPO and evaluation already swap for ``FlowVLAPolicy``.
 """
@@ -28,7 +28,7 @@ from torch import nn
 
 from policies.action_space import clip_to_space
 from policies.samplers import EulerODESampler, gaussian_log_prob
-from wmrl.types import Obs, PolicySample
+from wmrl.kernel.types import Obs, PolicySample
 
 
 class LatentNoiseSampler:
@@ -105,7 +105,7 @@ class LatentNoisePolicy(nn.Module):
         self.init_config = dict(base=base_cfg, hidden=int(hidden), bound=self.bound)
 
     def checkpoint_config(self) -> dict:
-        """Constructor arguments for ``wmrl.checkpoint.save_checkpoint``, with the deterministic
+        """Constructor arguments for ``wmrl.kernel.checkpoint.save_checkpoint``, with the deterministic
         evaluation sampler (``std=0``, this policy's ODE step count) whatever ``sampler`` is now."""
         steps = self.sampler.num_steps if isinstance(self.sampler, LatentNoiseSampler) else 10
         return dict(self.init_config, _target_="policies.steering.LatentNoisePolicy",

@@ -5,8 +5,8 @@ pipeline. The policy must provide ``loss(batch, generator) -> (loss, metrics)`` 
 ``FlowVLAPolicy``) and ``init_config`` (its constructor arguments, saved in the checkpoint).
 
 Checkpoints (``out_dir/checkpoints/step_<n>`` and ``.../last``) are written with
-``wmrl.checkpoint.save_checkpoint`` (``config.yaml`` + ``model.safetensors``, loadable with
-``wmrl.checkpoint.load_checkpoint``); when an EMA is kept the EMA weights are the model weights. The
+``wmrl.kernel.checkpoint.save_checkpoint`` (``config.yaml`` + ``model.safetensors``, loadable with
+``wmrl.kernel.checkpoint.load_checkpoint``); when an EMA is kept the EMA weights are the model weights. The
 optimizer state and raw (non-EMA) weights needed to resume go in the checkpoint's
 ``extra.safetensors``, the step and loss history in ``meta.json`` (no pickle). ``resume=True`` continues from ``last`` when it exists.
 """
@@ -79,8 +79,8 @@ def policy_checkpoint_config(policy) -> dict:
 
 
 def save_policy(policy, folder: str | Path) -> Path:
-    """Save ``policy`` as a checkpoint folder via ``wmrl.checkpoint.save_checkpoint``."""
-    from wmrl.checkpoint import save_checkpoint
+    """Save ``policy`` as a checkpoint folder via ``wmrl.kernel.checkpoint.save_checkpoint``."""
+    from wmrl.kernel.checkpoint import save_checkpoint
 
     folder = Path(folder)
     save_checkpoint(policy, folder, policy_checkpoint_config(policy))
@@ -115,12 +115,12 @@ def _load_optimizer_state(opt, params, tensors: dict, meta: dict) -> None:
 
 def _save_all(policy, ema, opt, params, step: int, ckpt_root: Path, history: list, gen: torch.Generator,
               progress: dict, report: dict | None = None) -> Path:
-    """Write ``step_<n>`` and ``last`` (each atomically, via ``wmrl.checkpoint.save_checkpoint``) with
+    """Write ``step_<n>`` and ``last`` (each atomically, via ``wmrl.kernel.checkpoint.save_checkpoint``) with
     everything an exact resume needs: raw weights, optimizer, the batch/noise generator and the
-    process-wide RNGs (``wmrl.rng``), the recent losses and elapsed training time (``progress``); the
+    process-wide RNGs (``wmrl.kernel.rng``), the recent losses and elapsed training time (``progress``); the
     final checkpoint also carries the run's ``report``."""
-    from wmrl.checkpoint import save_checkpoint
-    from wmrl.rng import capture_rng
+    from wmrl.kernel.checkpoint import save_checkpoint
+    from wmrl.kernel.rng import capture_rng
 
     tensors, meta = _optimizer_state(opt, params)
     if ema is not None:
@@ -168,8 +168,12 @@ def _batches(dataset, start: int, stop: int, c: dict, gen: torch.Generator):
 def _resume_bc(policy, ema, opt, params, gen: torch.Generator, last: Path, seed: int) -> tuple[int, list, dict, dict | None]:
     """Load ``last`` into the policy, EMA, optimizer and generators. Returns ``(step, history,
     progress, report)``; ``report`` is the finished run's report when ``last`` is the final checkpoint."""
-    from wmrl.checkpoint import load_checkpoint, load_checkpoint_meta, load_extra_tensors
-    from wmrl.rng import restore_rng, split_rng_tensors
+    from wmrl.kernel.checkpoint import (
+        load_checkpoint,
+        load_checkpoint_meta,
+        load_extra_tensors,
+    )
+    from wmrl.kernel.rng import restore_rng, split_rng_tensors
 
     meta = load_checkpoint_meta(last)
     loaded = load_checkpoint(last)
@@ -204,14 +208,14 @@ def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -
     Args:
         policy: a ``torch.nn.Module`` with ``loss(batch, generator)`` and ``init_config``; its
             normalisation statistics must already be set (``policy.set_norm_stats(store.stats())``).
-        dataset: map-style dataset of windows (``wmrl.storage.WindowDataset(store, n_obs, horizon)``
+        dataset: map-style dataset of windows (``wmrl.kernel.storage.WindowDataset(store, n_obs, horizon)``
             items: ``images``, ``proprio``, ``actions``, ``action_pad``, ``instruction``, ...).
         cfg: mapping with keys of :data:`DEFAULTS` (``steps``, ``batch_size``, ``lr``, ``ema_decay`` (0 =
             off), ``ckpt_every``, ``resume``, ``time_budget_s`` (stop early after this much training time,
             summed over resumed runs; 0 = off), ``lr_follows_budget`` (the LR decays
             over the time budget when it runs out before the steps; ``False``: over the steps only, so the run
             does not depend on the machine's speed), ``bf16`` (``"auto"``, ``True`` or ``False``: bfloat16 autocast of the
-            forward pass, ``wmrl.precision.resolve_bf16``; ``"auto"`` uses it only where the hardware runs
+            forward pass, ``wmrl.kernel.precision.resolve_bf16``; ``"auto"`` uses it only where the hardware runs
             bf16 natively, about 1.6x faster BC steps there; weights, optimizer and EMA stay float32)...).
         out_dir: run directory; TensorBoard scalars go to ``out_dir/tb``, checkpoints to
             ``out_dir/checkpoints``.
@@ -227,14 +231,14 @@ def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -
         ``steps_planned``), ``final_loss`` (mean of the last ``log_every`` steps), ``val_loss``,
         ``train_time_s`` (training time over all resumed runs), ``samples_per_s`` (of this run),
         ``checkpoint`` (path of ``last``), ``resumed_from``, ``precision``
-        (``wmrl.precision.Precision.as_dict()``: dtype and why).
+        (``wmrl.kernel.precision.Precision.as_dict()``: dtype and why).
 
     Raises:
         ValueError: an empty dataset, unknown options or a bad ``bf16`` setting.
         FloatingPointError: a non-finite loss.
     """
-    from wmrl.checkpoint import checkpoint_exists
-    from wmrl.precision import resolve_bf16
+    from wmrl.kernel.checkpoint import checkpoint_exists
+    from wmrl.kernel.precision import resolve_bf16
 
     c = _cfg(cfg)
     precision = resolve_bf16(c["bf16"], policy_device_type(policy), "BC")

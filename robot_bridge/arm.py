@@ -1,7 +1,7 @@
 """The arm side of ``wmrl robot``: a simulated arm behind :class:`robot_bridge.client.RobotInterface`,
 the episode recorder, and the node loop that runs episodes and records every one of them.
 
-The simulator is injected: :class:`ChunkEnvArm` drives any ``wmrl.interfaces.ChunkEnv`` with one
+The simulator is injected: :class:`ChunkEnvArm` drives any ``wmrl.kernel.interfaces.ChunkEnv`` with one
 slot (the sim suite's ``SimEnv`` built with ``auto_reset=False``) one control step at a time, so
 this package never imports ``sim``; the composition root (``wmrl/run/robot.py``) builds the env.
 """
@@ -17,9 +17,15 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from robot_bridge.client import ClientConfig, EpisodeResult, ReconnectPolicy, RobotClient, episode_ran
+from robot_bridge.client import (
+    ClientConfig,
+    EpisodeResult,
+    ReconnectPolicy,
+    RobotClient,
+    episode_ran,
+)
 from robot_bridge.safety import SafetyLimits
-from wmrl.types import Start
+from wmrl.kernel.types import Start
 
 log = logging.getLogger("robot_bridge.arm")
 

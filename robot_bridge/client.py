@@ -42,7 +42,7 @@ import numpy as np
 from robot_bridge import messages as M
 from robot_bridge.queue import ActionQueue
 from robot_bridge.safety import SafetyFilter, SafetyLimits, Watchdog
-from wmrl.types import Episode
+from wmrl.kernel.types import Episode
 
 log = logging.getLogger("robot_bridge.client")
 
@@ -235,7 +235,7 @@ class RobotClient:
 
     Args:
         robot: a :class:`RobotInterface`.
-        transport: a ``wmrl.interfaces.Transport`` connected to a ``PolicyServer``, used by the
+        transport: a ``wmrl.kernel.interfaces.Transport`` connected to a ``PolicyServer``, used by the
             first :meth:`connect`; ``None``: the first link comes from ``transport_factory``.
         config: :class:`ClientConfig`.
         safety: :class:`SafetyLimits` (default: the ``[-1, 1]`` command range).

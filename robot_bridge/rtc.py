@@ -4,7 +4,7 @@ the committed prefix.
 Reference: Black, Galliker, Levine 2025, "Real-Time Execution of Action Chunking Flow Policies"
 (arXiv:2506.07339), Algorithm 1: inpainting by Pi-GDM guidance with a soft mask.
 
-Convention (as in ``wmrl.types`` / the policies package): ``x_0`` is Gaussian noise, ``x_1`` the
+Convention (as in ``wmrl.kernel.types`` / the policies package): ``x_0`` is Gaussian noise, ``x_1`` the
 action chunk, ``x_t = t x_1 + (1 - t) x_0``, the policy's velocity field ``v(x_t, t)`` points to
 ``x_1 - x_0``; Euler integration from ``t = 0`` to ``1`` in ``K`` steps.
 
@@ -32,7 +32,7 @@ VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @runtime_checkable
 class RTCFlowPolicy(Protocol):
-    """What the policy server needs for real-time chunking (besides ``wmrl.interfaces.Policy``).
+    """What the policy server needs for real-time chunking (besides ``wmrl.kernel.interfaces.Policy``).
 
     ``rtc_velocity_fn(obs)`` returns ``v(x (B, H, D_a), t (B,))`` in this module's convention
     (``t = 0`` noise, ``t = 1`` actions) over the policy's own action coordinates (e.g.

@@ -32,7 +32,7 @@ import torch
 
 from robot_bridge import messages as M
 from robot_bridge.rtc import rtc_sample
-from wmrl.types import Obs
+from wmrl.kernel.types import Obs
 
 log = logging.getLogger("robot_bridge.server")
 
@@ -40,7 +40,7 @@ Envelope = M.Envelope
 
 
 def obs_from_message(o: M.pb.Observation) -> Obs:
-    """Batch-1 ``wmrl.types.Obs`` from an observation message."""
+    """Batch-1 ``wmrl.kernel.types.Obs`` from an observation message."""
     proprio, images, _ = M.observation_arrays(o)
     return Obs(images={k: torch.from_numpy(np.ascontiguousarray(v))[None] for k, v in images.items()},
                proprio=torch.from_numpy(proprio)[None], task=[o.task])
@@ -84,7 +84,7 @@ class PolicyServer:
     """Serves a chunking policy to robot clients, one session per transport connection.
 
     Args:
-        policy: ``wmrl.interfaces.Policy`` (``sample(Obs) -> PolicySample`` with actions
+        policy: ``wmrl.kernel.interfaces.Policy`` (``sample(Obs) -> PolicySample`` with actions
             ``(1, H, D_a)``). Real-time chunking is used for requests carrying a prefix when the
             policy also implements :class:`robot_bridge.rtc.RTCFlowPolicy` (``rtc_velocity_fn``,
             ``to_flow_space``, ``from_flow_space``, ``num_steps``); the composition root wraps a

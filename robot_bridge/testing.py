@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from wmrl.types import Obs, PolicySample
+from wmrl.kernel.types import Obs, PolicySample
 
 
 class KinematicArm:

@@ -1,4 +1,4 @@
-"""Scripted-expert episodes from the training init states, as ``wmrl.types.Episode`` objects."""
+"""Scripted-expert episodes from the training init states, as ``wmrl.kernel.types.Episode`` objects."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 from sim.env import TaskEnv
 from sim.expert import ScriptedExpert
 from sim.suite import Suite, collect_seed
-from wmrl.types import Episode
+from wmrl.kernel.types import Episode
 
 
 def collect_episode(env: TaskEnv, suite: Suite, task: str, i: int, noise: float, seed: int,

@@ -1,8 +1,8 @@
 """Single-task environment (:class:`TaskEnv`) and the batched chunk environment (:class:`SimEnv`).
 
-``SimEnv`` implements ``wmrl.interfaces.ChunkEnv`` over ``B`` robosuite scenes stepped in process:
+``SimEnv`` implements ``wmrl.kernel.interfaces.ChunkEnv`` over ``B`` robosuite scenes stepped in process:
 * ``step(actions)`` takes ``float32 (B, H, D_a)`` actions (OSC_POSE delta, gripper -1 open / +1
-  close, see ``wmrl.types``). When a slot succeeds or fails (terminates) or reaches its step limit
+  close, see ``wmrl.kernel.types``). When a slot succeeds or fails (terminates) or reaches its step limit
   (truncates) at inner step ``h``, that slot stops there: actions ``h+1..H-1`` are not executed and
   the reward of the executed steps is kept.
 * with ``auto_reset=True`` only finished slots are reset (to ``next_start(slot)``, by default the
@@ -25,7 +25,7 @@ from sim import _backend
 from sim.render import RenderSettings, SceneRenderer
 from sim.scenes import make_scene
 from sim.tasks import TaskSpec, get_task
-from wmrl.types import AGENTVIEW, EYE_IN_HAND, Obs, Start, StepResult
+from wmrl.kernel.types import AGENTVIEW, EYE_IN_HAND, Obs, Start, StepResult
 
 ACTION_DIM = 7
 STATE_DIM = 9

@@ -17,7 +17,7 @@ import numpy as np
 from sim import init_states as _init
 from sim.render import RenderSettings
 from sim.tasks import TASKS, TaskSpec, get_task
-from wmrl.types import AGENTVIEW, EYE_IN_HAND, PANDA_OSC_POSE, ActionSpace, Start
+from wmrl.kernel.types import AGENTVIEW, EYE_IN_HAND, PANDA_OSC_POSE, ActionSpace, Start
 
 DEFAULT_TASKS = ("lift_red", "lift_green", "stack_red_on_green", "push_red_to_target")
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from wmrl.types import Obs, PolicySample, Start, StepResult
+from wmrl.kernel.types import Obs, PolicySample, Start, StepResult
 
 GOALS = {"reach_a": (0.5, 0.0, 0.0), "reach_b": (0.0, 0.5, 0.0), "reach_c": (-0.5, 0.0, 0.0)}
 
@@ -86,7 +86,7 @@ class ToyReachEnv:
 
 
 class NoisyToyEnv(ToyReachEnv):
-    """Reward noise from a generator the env owns, declared as ``wmrl.interfaces.RandomStreams``."""
+    """Reward noise from a generator the env owns, declared as ``wmrl.kernel.interfaces.RandomStreams``."""
 
     def rng_streams(self):
         return {"reward_noise": self.gen}

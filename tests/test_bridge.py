@@ -15,7 +15,7 @@ from robot_bridge.safety import SafetyFilter, SafetyLimits, Watchdog
 from robot_bridge.server import PolicyServer, obs_from_message
 from robot_bridge.testing import GoalPolicy, KinematicArm, TrackingPolicy
 from robot_bridge.transports.inproc import InProcTransport
-from wmrl.types import Obs, PolicySample
+from wmrl.kernel.types import Obs, PolicySample
 
 D_A, D_S = 7, 9
 

@@ -25,8 +25,8 @@ def _cfg(name, overrides):
 
 
 def test_robot_node_inproc_records_every_episode(tmp_path):
+    from wmrl.kernel.storage import EpisodeStore
     from wmrl.run import robot
-    from wmrl.storage import EpisodeStore
 
     cfg = _cfg("robot", ["transport=inproc", "arm.kind=target", "safety.workspace_low=null", "safety.workspace_high=null", "episodes=2", "control.max_steps=40",
                          "inproc_server.inference_delay_s=0.05", f"store={tmp_path / 'eps'}"])
@@ -71,7 +71,7 @@ def test_server_killed_and_restarted_robot_reconnects_finishes_and_exits_nonzero
     """kill -9 of `wmrl serve` mid-episode: the robot holds, the watchdog stops it (episode
     recorded as `watchdog`), it reconnects to the restarted server with backoff and runs the
     other episodes; its exit status (3) says an episode was lost."""
-    from wmrl.storage import EpisodeStore
+    from wmrl.kernel.storage import EpisodeStore
 
     port = _free_port()
     addr = f"transport.address=127.0.0.1:{port}"
@@ -136,9 +136,9 @@ def test_flow_rtc_adapter_matches_policy_sampler_and_freezes_prefix():
 
     from policies.flow_vla import FlowVLAPolicy
     from robot_bridge.rtc import RTCFlowPolicy, rtc_sample
+    from wmrl.kernel.storage import NormStats
+    from wmrl.kernel.types import Obs
     from wmrl.run.serve import FlowRTCAdapter
-    from wmrl.storage import NormStats
-    from wmrl.types import Obs
 
     pol = FlowVLAPolicy(cameras=["agentview"], image_size=[16, 16], state_dim=9, action_dim=7, chunk_size=4,
                         encoder={"kind": "conv", "channels": [8, 16], "out_dim": 16}, lang_dim=16, proprio_dim=8,
@@ -162,7 +162,7 @@ def test_flow_rtc_adapter_matches_policy_sampler_and_freezes_prefix():
 
 
 def test_operator_estop_signal_stops_node_and_records_episode(tmp_path):
-    from wmrl.storage import EpisodeStore
+    from wmrl.kernel.storage import EpisodeStore
 
     port = _free_port()
     addr = f"transport.address=127.0.0.1:{port}"
@@ -196,7 +196,7 @@ time.sleep(120)
 
 
 def test_bench_policy_server_dies_with_a_killed_benchmark(tmp_path):
-    """`wmrl bench bridge` starts `wmrl serve` as a child (wmrl.workers.child_env): kill -9 of the
+    """`wmrl bench bridge` starts `wmrl serve` as a child (wmrl.kernel.workers.child_env): kill -9 of the
     benchmark leaves no policy server behind."""
     from test_workers import _alive  # tests/ is on sys.path (no __init__.py)
 

@@ -8,14 +8,14 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from wmrl.kernel.types import PANDA_OSC_POSE
 from wmrl.run.common import RunContext
-from wmrl.types import PANDA_OSC_POSE
 
 CAMS = {"agentview": (32, 32), "robot0_eye_in_hand": (32, 32)}
 
 
 def _stores(tmp_path, n_base=6, n_fail=3, T=16):
-    from wmrl.storage import EpisodeStore
+    from wmrl.kernel.storage import EpisodeStore
     from worldmodels.synthetic import make_episode
 
     base = EpisodeStore.create(tmp_path / "base", cameras=CAMS, state_dim=9, action_dim=7, fps=20,
@@ -37,6 +37,7 @@ def _stores(tmp_path, n_base=6, n_fail=3, T=16):
 
 def _tiny_wm(tmp_path, base, steps):
     from hydra.utils import instantiate
+
     from worldmodels.data import EpisodeFrames
     from worldmodels.train import train_world_model
 
@@ -75,8 +76,8 @@ def test_refine_uses_only_failures_and_reports_change(tmp_path):
 
 
 def test_refine_without_failures_is_a_clear_error(tmp_path):
+    from wmrl.kernel.storage import EpisodeStore
     from wmrl.run import refine
-    from wmrl.storage import EpisodeStore
     from worldmodels.synthetic import make_episode
 
     base, _ = _stores(tmp_path, n_fail=0)

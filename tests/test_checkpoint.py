@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from wmrl.checkpoint import (
+from wmrl.kernel.checkpoint import (
     CheckpointError,
     load_checkpoint,
     load_checkpoint_meta,
@@ -15,7 +15,7 @@ from wmrl.checkpoint import (
     read_checkpoint_config,
     save_checkpoint,
 )
-from wmrl.storage import MissingStatsError, NormStats, Normalizer
+from wmrl.kernel.storage import MissingStatsError, Normalizer, NormStats
 
 
 def test_round_trip_rebuilds_and_loads_weights(tmp_path):
@@ -107,7 +107,7 @@ def _lin(tmp_path, name="last", seed=0):
 
 
 def test_corrupt_weight_bytes_are_refused_with_the_file_named(tmp_path):
-    from wmrl.checkpoint import verify_checkpoint
+    from wmrl.kernel.checkpoint import verify_checkpoint
 
     _, f = _lin(tmp_path)
     assert verify_checkpoint(f)
@@ -127,11 +127,11 @@ def test_corrupt_weight_bytes_are_refused_with_the_file_named(tmp_path):
 def test_checkpoint_without_checksums_still_loads(tmp_path, caplog):
     import logging
 
-    from wmrl.checkpoint import verify_checkpoint
+    from wmrl.kernel.checkpoint import verify_checkpoint
 
     m, f = _lin(tmp_path)
     (f / "checksums.json").unlink()                   # as written by an older wmrl
-    with caplog.at_level(logging.INFO, logger="wmrl.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="wmrl.kernel.checkpoint"):
         assert not verify_checkpoint(f)
         assert torch.equal(load_checkpoint(f).weight, m.weight)
     assert any("not verified" in r.getMessage() for r in caplog.records)
@@ -142,7 +142,7 @@ def test_a_kill_between_the_two_renames_of_a_swap_resumes_from_the_last_complete
     process killed between the two leaves no `last`. The next run must find the newest complete one."""
     import os
 
-    import wmrl.checkpoint as ck
+    import wmrl.kernel.checkpoint as ck
 
     a, _ = _lin(tmp_path, seed=1)
     monkeypatch.setattr(ck, "_exchange", lambda x, y: False)          # a file system without RENAME_EXCHANGE
@@ -170,7 +170,7 @@ def test_a_kill_between_the_two_renames_of_a_swap_resumes_from_the_last_complete
 def test_a_finished_temporary_folder_of_a_dead_writer_wins_and_stale_ones_go(tmp_path):
     import shutil
 
-    import wmrl.checkpoint as ck
+    import wmrl.kernel.checkpoint as ck
 
     _, f = _lin(tmp_path, seed=1)
     dead = 2 ** 22 + 12345                                            # no such process
@@ -185,7 +185,7 @@ def test_a_finished_temporary_folder_of_a_dead_writer_wins_and_stale_ones_go(tmp
 
 
 def test_overwrite_uses_the_atomic_exchange_where_there_is_one(tmp_path, monkeypatch):
-    import wmrl.checkpoint as ck
+    import wmrl.kernel.checkpoint as ck
 
     seen = []
     real = ck._exchange

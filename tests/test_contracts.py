@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 # ---------------------------------------------------------------------- EpisodeStore / WindowDataset
-from wmrl.storage import EpisodeStore, NormStats, WindowDataset
-from wmrl.storage.synthetic import random_episode, random_store
-from wmrl.types import AGENTVIEW, EYE_IN_HAND, Episode, Obs
+from wmrl.kernel.storage import EpisodeStore, NormStats, WindowDataset
+from wmrl.kernel.storage.synthetic import random_episode, random_store
+from wmrl.kernel.types import AGENTVIEW, EYE_IN_HAND, Episode, Obs
 
 
 def test_store_contract_episode_container_and_meta(tmp_path):
@@ -46,7 +46,7 @@ def test_window_batch_converts_to_obs(tmp_path):
 def _simenv_lifted_start(suite):
     """A lift_red start whose cube is already 10 cm up: the task succeeds at the first inner step."""
     from sim.env import TaskEnv
-    from wmrl.types import Start
+    from wmrl.kernel.types import Start
 
     env = TaskEnv("two_cubes", cameras=())
     env.reset("lift_red", suite.init_state("lift_red", "eval", 0))
@@ -62,7 +62,7 @@ def test_simenv_is_a_chunk_env_with_inner_step_termination_and_partial_auto_rese
     import pytest
 
     from sim.suite import Suite
-    from wmrl.interfaces import ChunkEnv
+    from wmrl.kernel.interfaces import ChunkEnv
 
     suite = Suite(tasks=["lift_red"], image_size=(32, 32))
     env = suite.make_env(2, auto_reset=True)
@@ -87,9 +87,9 @@ def test_simenv_is_a_chunk_env_with_inner_step_termination_and_partial_auto_rese
 def test_flow_vla_policy_contract():
     from policies.flow_vla import FlowVLAPolicy
     from policies.samplers import SDESampler
-    from wmrl.interfaces import Policy
-    from wmrl.storage import NormStats
-    from wmrl.types import Obs
+    from wmrl.kernel.interfaces import Policy
+    from wmrl.kernel.storage import NormStats
+    from wmrl.kernel.types import Obs
 
     rng = np.random.default_rng(0)
     pol = FlowVLAPolicy(cameras=["agentview"], image_size=[16, 16], chunk_size=4,
@@ -124,8 +124,8 @@ def test_worldmodel_critic_and_imagination_env_contracts():
     from omegaconf import OmegaConf
 
     from wmrl.imagination import ImaginationEnv
-    from wmrl.interfaces import ChunkEnv, ProgressCritic, WorldModel
-    from wmrl.types import Start
+    from wmrl.kernel.interfaces import ChunkEnv, ProgressCritic, WorldModel
+    from wmrl.kernel.types import Start
 
     wm = instantiate(OmegaConf.load("configs/worldmodel/tiny.yaml"), _convert_="all").eval()
     wm.set_norm_stats(torch.randn(16, 9), torch.randn(16, 9))
@@ -194,7 +194,7 @@ def test_transport_contract():
     import numpy as np
 
     from robot_bridge import messages as M
-    from wmrl.interfaces import Transport
+    from wmrl.kernel.interfaces import Transport
 
     def recv_kind(t, kind):
         t_end = time.monotonic() + 5

@@ -8,7 +8,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from wmrl.types import Obs
+from wmrl.kernel.types import Obs
 from worldmodels.critic import MiniLMEncoder, ProgressValueCritic
 from worldmodels.data import EpisodeFrames, heldout_episodes
 from worldmodels.evaluate import critic_auroc
@@ -75,7 +75,7 @@ def test_training_separates_success_from_failure(tmp_path):
     rep2 = train_critic(instantiate(TINY, _convert_="all"), TINY, train, tmp_path, steps=160, batch_size=8,
                         progress=False, resume=True, tensorboard=False)
     assert rep2["resumed_from"] == 150 and rep2["steps"] == 160
-    from wmrl.checkpoint import load_checkpoint
+    from wmrl.kernel.checkpoint import load_checkpoint
 
     loaded = load_checkpoint(tmp_path / "checkpoints" / "last").eval()
     assert critic_auroc(loaded, held)["auroc"] is not None

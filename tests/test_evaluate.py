@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from wmrl.types import PolicySample
+from wmrl.kernel.types import PolicySample
 
 
 def test_wilson_interval_known_values():
@@ -155,10 +155,10 @@ def test_wmrl_evaluate_with_worker_processes_equals_one_process(tmp_path):
 
 
 def test_instruction_override_replaces_the_task_text(tmp_path):
+    from wmrl.kernel.types import Obs, PolicySample
     from wmrl.run import evaluate
     from wmrl.run.common import RunContext
     from wmrl.run.evaluate import InstructionOverride
-    from wmrl.types import Obs, PolicySample
 
     seen = []
 
@@ -179,9 +179,9 @@ def test_instruction_override_replaces_the_task_text(tmp_path):
 
 
 def test_wmrl_collect_writes_episodes_and_continues(tmp_path):
+    from wmrl.kernel.storage import EpisodeStore
     from wmrl.run import collect
     from wmrl.run.common import RunContext
-    from wmrl.storage import EpisodeStore
 
     store_path = tmp_path / "store"
     cfg = _compose("collect", ["suite=tiny", "episodes_per_task=1", "noise=0.3", f"out={store_path}"])
@@ -215,9 +215,9 @@ def test_wmrl_collect_with_worker_processes_stores_the_same_episodes(tmp_path):
     """workers=2 (whole tasks per spawned process) writes the store workers=1 writes: the same
     episodes in the same order (task by task), whatever the processes' timing; the per-worker stores
     are removed."""
+    from wmrl.kernel.storage import EpisodeStore
     from wmrl.run import collect
     from wmrl.run.common import RunContext
-    from wmrl.storage import EpisodeStore
 
     reps = {}
     for w in (1, 2):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from wmrl.fidelity import ranking_stats, replay_actions, replay_check
-from wmrl.types import PolicySample, Start
+from wmrl.kernel.types import PolicySample, Start
 
 
 def test_ranking_stats_counts_pairs_by_hand():

@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
-
 from grpo_fakes import GaussianChunkPolicy, ToyReachEnv, toy_starts
+
 from wmrl import grpo
-from wmrl.interfaces import ChunkEnv, Policy
+from wmrl.kernel.interfaces import ChunkEnv, Policy
 
 
 def test_grouped_and_interleaved_give_same_advantages():
@@ -271,7 +271,7 @@ def test_train_grpo_resumes_exactly(tmp_path):
     assert [h["reward_mean"] for h in out_full["history"]] == [h["reward_mean"] for h in out_res["history"]]
     assert [e["iteration"] for e in out_res["evals"]] == [0, 2, 4]
     # loading the checkpoint rebuilds the policy
-    from wmrl.checkpoint import load_checkpoint
+    from wmrl.kernel.checkpoint import load_checkpoint
 
     p = load_checkpoint(tmp_path / "b" / "checkpoints" / "last")
     assert torch.equal(p.net.weight, pol_res.net.weight)
@@ -294,8 +294,9 @@ def test_debiasing_in_iteration_reports_bias():
 
 
 def _fpo_batch(adv):
-    from policies.samplers import SDESampler
     from test_policy import obs, stats, tiny_policy
+
+    from policies.samplers import SDESampler
 
     torch.manual_seed(0)
     p = tiny_policy().set_norm_stats(stats()).eval()

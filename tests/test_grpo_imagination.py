@@ -14,8 +14,8 @@ def parts(tmp_path_factory):
     from policies.flow_vla import FlowVLAPolicy
     from policies.samplers import SDESampler
     from wmrl.imagination import ImaginationEnv, starts_from_store
-    from wmrl.storage import EpisodeStore
-    from wmrl.types import PANDA_OSC_POSE
+    from wmrl.kernel.storage import EpisodeStore
+    from wmrl.kernel.types import PANDA_OSC_POSE
     from worldmodels.critic import ProgressValueCritic
     from worldmodels.data import EpisodeFrames
     from worldmodels.synthetic import make_episodes

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from wmrl.run.common import RunContext
-from wmrl.storage.robomimic import (
+from wmrl.kernel.storage.robomimic import (
     DemoImportError,
     StateReplayRenderer,
     compile_mjcf,
@@ -20,6 +19,7 @@ from wmrl.storage.robomimic import (
     installed_robosuite_assets,
     repair_mjcf,
 )
+from wmrl.run.common import RunContext
 
 LIFT = "robosuite_demos/rs1.4.1_lift_panda/demo.hdf5"
 REFERENCE = "derived/rs1.4.1_lift_demo1_agentview_t0_t240_t481_mujoco_renderer.png"
@@ -190,8 +190,8 @@ def test_proprio_matches_recorded_state(shared_data):
 # ------------------------------------------------------------------ entry point, small
 
 def test_import_run_small_file(shared_data, tmp_path):
+    from wmrl.kernel.storage import EpisodeStore
     from wmrl.run.import_data import run
-    from wmrl.storage import EpisodeStore
 
     src = make_demo_file(shared_data, tmp_path / "small.hdf5", steps=(4, 5))
     cfg = import_cfg(source="small.hdf5", out="store", image_size=32)
@@ -223,8 +223,8 @@ def test_import_run_small_file(shared_data, tmp_path):
 @pytest.mark.slow
 def test_lift_import_acceptance(shared_data, tmp_path):
     """`wmrl import` of the real lift demos: 3 episodes of 482/510/392 steps, upright agentview."""
+    from wmrl.kernel.storage import EpisodeStore
     from wmrl.run.import_data import run
-    from wmrl.storage import EpisodeStore
 
     cfg = import_cfg(source=str(shared_data / LIFT), out=str(tmp_path / "lift"))
     report = run(cfg, RunContext(cfg, out_dir=tmp_path / "run"))
@@ -240,7 +240,7 @@ def test_lift_import_acceptance(shared_data, tmp_path):
 
 
 def test_quaternion_sign_is_kept_continuous():
-    from wmrl.storage.robomimic import _continuous_quat
+    from wmrl.kernel.storage.robomimic import _continuous_quat
 
     rng = np.random.default_rng(0)
     q = rng.normal(size=(1, 4)) + np.cumsum(rng.normal(scale=0.01, size=(50, 4)), axis=0)

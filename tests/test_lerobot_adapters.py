@@ -10,9 +10,9 @@ import torch
 
 from policies import lerobot_adapters as L
 from policies.samplers import EulerODESampler, SDESampler
-from wmrl.interfaces import Policy
-from wmrl.storage import NormStats
-from wmrl.types import AGENTVIEW, EYE_IN_HAND, Obs
+from wmrl.kernel.interfaces import Policy
+from wmrl.kernel.storage import NormStats
+from wmrl.kernel.types import AGENTVIEW, EYE_IN_HAND, Obs
 
 
 def _stats():

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from wmrl.kernel.types import PANDA_OSC_POSE, Episode
 from wmrl.run.common import RunContext
-from wmrl.types import PANDA_OSC_POSE, Episode
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -30,7 +30,7 @@ def cfg_of(name: str, **kw):
 
 
 def make_store(path: Path, lengths=(5, 7), sim_states=True):
-    from wmrl.storage import EpisodeStore
+    from wmrl.kernel.storage import EpisodeStore
 
     rng = np.random.default_rng(0)
     store = EpisodeStore.create(path, cameras=CAMS, state_dim=9, action_dim=7, fps=20,
@@ -97,8 +97,8 @@ def test_export_loads_offline_with_lerobot(exported):
 
 
 def test_roundtrip_through_import_is_exact(exported, tmp_path):
+    from wmrl.kernel.storage import EpisodeStore
     from wmrl.run.import_data import run
-    from wmrl.storage import EpisodeStore
 
     store, folder, _ = exported
     cfg = cfg_of("import", source=str(folder), out=str(tmp_path / "back"))
@@ -113,8 +113,8 @@ def test_roundtrip_through_import_is_exact(exported, tmp_path):
 
 
 def test_import_camera_subset_and_size_check(exported, tmp_path):
+    from wmrl.kernel.storage import EpisodeStore
     from wmrl.run.import_data import run
-    from wmrl.storage import EpisodeStore
 
     _, folder, _ = exported
     cfg = cfg_of("import", source=str(folder), out=str(tmp_path / "a"), cameras=["agentview"])
@@ -127,7 +127,7 @@ def test_import_camera_subset_and_size_check(exported, tmp_path):
 
 
 def test_unknown_version_and_missing_action_space(exported, tmp_path):
-    from wmrl.storage.lerobot_io import LeRobotFormatError, inspect_lerobot
+    from wmrl.kernel.storage.lerobot_io import LeRobotFormatError, inspect_lerobot
 
     _, folder, _ = exported
     old = tmp_path / "old"
@@ -144,7 +144,7 @@ def test_unknown_version_and_missing_action_space(exported, tmp_path):
     with pytest.raises(LeRobotFormatError, match="does not declare how its actions are read"):
         inspect_lerobot(foreign)
     src = inspect_lerobot(foreign, action_space={"controller": "OSC_POSE", "mode": "delta", "dim": 7})
-    from wmrl.storage.lerobot_io import read_lerobot
+    from wmrl.kernel.storage.lerobot_io import read_lerobot
 
     eps = list(read_lerobot(src, progress=False))
     assert [e.length for e in eps] == [5, 7]
@@ -155,9 +155,9 @@ def test_unknown_version_and_missing_action_space(exported, tmp_path):
 
 def test_minimal_stage_configs_and_episode_selection(exported, tmp_path):
     """The pipeline calls run() with bare sub-configs: only the required keys."""
+    from wmrl.kernel.storage import EpisodeStore
     from wmrl.run.export_data import run as export_run
     from wmrl.run.import_data import run as import_run
-    from wmrl.storage import EpisodeStore
 
     store, _, _ = exported
     cfg = OmegaConf.create({"store": str(store.path), "out": "sel", "episodes": [1], "progress": False})
@@ -171,7 +171,7 @@ def test_minimal_stage_configs_and_episode_selection(exported, tmp_path):
 
 
 def test_export_refuses_existing_out_and_keeps_it(exported, tmp_path):
-    from wmrl.storage.lerobot_io import LeRobotFormatError, export_lerobot
+    from wmrl.kernel.storage.lerobot_io import LeRobotFormatError, export_lerobot
 
     store, _, _ = exported
     out = tmp_path / "taken"
@@ -185,7 +185,7 @@ def test_export_refuses_existing_out_and_keeps_it(exported, tmp_path):
 
 
 def test_export_removes_partial_folders_of_killed_exports(exported, tmp_path):
-    from wmrl.storage.lerobot_io import export_lerobot
+    from wmrl.kernel.storage.lerobot_io import export_lerobot
 
     store, _, _ = exported
     dead = tmp_path / f".ds.partial-{2 ** 22 + 12345}"                # pid beyond pid_max: a killed export
@@ -258,9 +258,13 @@ def test_video_dataset_with_a_late_last_frame_imports_the_same_frames(tmp_path, 
     actions of the unmodified one, which are lerobot's own frames; a video short of a frame fails."""
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
+    from wmrl.kernel.storage import EpisodeStore, lerobot_io
+    from wmrl.kernel.storage.lerobot_io import (
+        LeRobotFormatError,
+        inspect_lerobot,
+        read_lerobot,
+    )
     from wmrl.run.import_data import run
-    from wmrl.storage import EpisodeStore, lerobot_io
-    from wmrl.storage.lerobot_io import LeRobotFormatError, inspect_lerobot, read_lerobot
 
     frames = make_video_dataset(tmp_path / "exact")
     shutil.copytree(tmp_path / "exact", tmp_path / "late")
@@ -301,9 +305,9 @@ def test_lift_store_export_import_roundtrip(shared_data, tmp_path):
     `wmrl import` of the folder gives the same arrays."""
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
+    from wmrl.kernel.storage import EpisodeStore
     from wmrl.run.export_data import run as export_run
     from wmrl.run.import_data import run as import_run
-    from wmrl.storage import EpisodeStore
 
     lift = shared_data / "robosuite_demos" / "rs1.4.1_lift_panda" / "demo.hdf5"
     cfg = cfg_of("import", source=str(lift), out=str(tmp_path / "lift"))

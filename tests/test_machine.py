@@ -1,4 +1,4 @@
-"""The main job on any machine: precision that fits the hardware (wmrl.precision), threads that fit
+"""The main job on any machine: precision that fits the hardware (wmrl.kernel.precision), threads that fit
 the free cores (wmrl.run.common), budgets that say when they cut a run short, the pipeline's time
 estimate (wmrl.run.machine) and `wmrl doctor`. The CPU capability is faked both ways."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import wmrl.precision as precision
+import wmrl.kernel.precision as precision
 from wmrl.run import common
 
 
@@ -60,7 +60,7 @@ def test_env_override_and_bad_settings(fake_cpu, monkeypatch):
 def test_explicit_true_without_native_bf16_warns_once_with_the_measured_cost(fake_cpu, caplog, monkeypatch):
     fake_cpu(False)
     monkeypatch.setattr(precision, "measure_bf16_slowdown", lambda device="cpu", **k: 11.5)
-    with caplog.at_level(logging.WARNING, logger="wmrl.precision"):
+    with caplog.at_level(logging.WARNING, logger="wmrl.kernel.precision"):
         p = precision.resolve_bf16(True, "cpu", "BC")
         precision.resolve_bf16(True, "cpu", "world model")
     assert p.dtype == "bf16" and "although" in p.reason
@@ -73,10 +73,10 @@ def test_measured_slowdown_is_a_positive_ratio():
 
 
 def _toy_bc(tmp_path, tag, bf16):
-    from policies.train import train_bc
     from test_policy import tiny_policy, toy_store
 
-    from wmrl.storage import WindowDataset
+    from policies.train import train_bc
+    from wmrl.kernel.storage import WindowDataset
 
     store = toy_store(tmp_path / f"store_{tag}", n_eps=2, T=8)
     torch.manual_seed(0)
@@ -164,10 +164,10 @@ def test_reports_record_threads_and_wait_policy(tmp_path):
 
 # ----------------------------------------------------------------------------- budgets
 def test_bc_cut_by_its_time_budget_says_so(tmp_path, caplog):
-    from policies.train import train_bc
     from test_policy import tiny_policy, toy_store
 
-    from wmrl.storage import WindowDataset
+    from policies.train import train_bc
+    from wmrl.kernel.storage import WindowDataset
 
     store = toy_store(tmp_path / "store", n_eps=2, T=8)
     p = tiny_policy().set_norm_stats(store.stats())
@@ -182,9 +182,9 @@ def test_bc_cut_by_its_time_budget_says_so(tmp_path, caplog):
 
 
 def test_world_model_cut_by_its_budget_says_so(tmp_path, monkeypatch):
-    import worldmodels.train as wt
     from test_worldmodel import TINY, tiny_model
 
+    import worldmodels.train as wt
     from worldmodels.data import EpisodeFrames
     from worldmodels.synthetic import make_episodes
 

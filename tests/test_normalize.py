@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from wmrl.storage import MissingStatsError, NormStats, Normalizer
+from wmrl.kernel.storage import MissingStatsError, Normalizer, NormStats
 
 LIFT = "robosuite_demos/rs1.4.1_lift_panda/demo.hdf5"
 

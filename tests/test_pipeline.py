@@ -6,16 +6,16 @@ import json
 import numpy as np
 import pytest
 import torch
+from grpo_fakes import GaussianChunkPolicy, ToyReachEnv, toy_starts
 from omegaconf import OmegaConf
 
-from grpo_fakes import GaussianChunkPolicy, ToyReachEnv, toy_starts
+from wmrl.kernel.types import ActionSpace
 from wmrl.run import pipeline
 from wmrl.run.common import RunContext
-from wmrl.types import ActionSpace
 
 
 def test_record_episodes_every_step_and_store_roundtrip(tmp_path):
-    from wmrl.storage import EpisodeStore
+    from wmrl.kernel.storage import EpisodeStore
 
     env = ToyReachEnv(num_envs=3, max_steps=10)
     pol = GaussianChunkPolicy()

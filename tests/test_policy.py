@@ -10,10 +10,15 @@ from policies.action_space import ActionConverter, action_space_for, clip_to_spa
 from policies.flow_vla import FlowVLAPolicy
 from policies.samplers import EulerODESampler, SDESampler
 from policies.train import save_policy, train_bc
-from wmrl.checkpoint import load_checkpoint
-from wmrl.interfaces import Policy
-from wmrl.storage import EpisodeStore, MissingStatsError, NormStats, WindowDataset
-from wmrl.types import PANDA_OSC_POSE, ActionSpace, Episode, Obs
+from wmrl.kernel.checkpoint import load_checkpoint
+from wmrl.kernel.interfaces import Policy
+from wmrl.kernel.storage import (
+    EpisodeStore,
+    MissingStatsError,
+    NormStats,
+    WindowDataset,
+)
+from wmrl.kernel.types import PANDA_OSC_POSE, ActionSpace, Episode, Obs
 
 CAM = "agentview"
 INSTR_A, INSTR_B = "lift the red cube", "lift the green cube"

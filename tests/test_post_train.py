@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
+from grpo_fakes import GaussianChunkPolicy
 from omegaconf import OmegaConf
 
-from grpo_fakes import GaussianChunkPolicy
-from wmrl.checkpoint import save_checkpoint
+from wmrl.kernel.checkpoint import save_checkpoint
 from wmrl.run import post_train
 from wmrl.run.common import RunContext
 

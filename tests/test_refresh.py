@@ -22,9 +22,9 @@ def parts(tmp_path_factory):
 
     from sim.suite import Suite
     from wmrl.imagination import ImaginationEnv
+    from wmrl.kernel.storage import EpisodeStore
     from wmrl.run import collect
     from wmrl.run.common import RunContext
-    from wmrl.storage import EpisodeStore
     from worldmodels.data import EpisodeFrames
     from worldmodels.train import fit_world_model_stats
 
@@ -67,7 +67,7 @@ def _refresher(p, out, **kw):
 
 
 def test_refresh_round_fine_tunes_in_place_and_restores(parts):
-    from wmrl.storage import EpisodeStore
+    from wmrl.kernel.storage import EpisodeStore
 
     p = parts
     wm, critic = p["env"].world_model, p["env"].critic

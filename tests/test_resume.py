@@ -18,15 +18,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from grpo_fakes import GaussianChunkPolicy, NoisyToyEnv, toy_starts
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
-
-from grpo_fakes import GaussianChunkPolicy, NoisyToyEnv, toy_starts
 from test_policy import tiny_policy, toy_store
+
 from wmrl import grpo
-from wmrl.rng import capture_rng, restore_rng
-from wmrl.storage import EpisodeStore, WindowDataset
+from wmrl.kernel.rng import capture_rng, restore_rng
+from wmrl.kernel.storage import EpisodeStore, WindowDataset
 from worldmodels.data import EpisodeFrames
 from worldmodels.synthetic import make_episodes
 from worldmodels.train import train_critic, train_world_model
@@ -303,6 +303,7 @@ def test_post_train_killed_three_times_resumes_bitwise(tmp_path, monkeypatch):
     """The entry point: imagination-like env with its own noise generator, debiasing and denoising
     on (their envs and generators), evaluation every 2 iterations; killed inside iterations 2, 3, 5."""
     from test_post_train import _cfg
+
     from wmrl.run import post_train
     from wmrl.run.common import RunContext
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from wmrl.types import AGENTVIEW, EYE_IN_HAND, Start
+from wmrl.kernel.types import AGENTVIEW, EYE_IN_HAND, Start
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

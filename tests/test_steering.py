@@ -4,13 +4,13 @@ checkpoint round trip, clear errors."""
 
 import pytest
 import torch
+from test_policy import obs, stats, tiny_policy
 
 from policies.samplers import EulerODESampler, SDESampler
 from policies.steering import LatentNoisePolicy, LatentNoiseSampler
-from test_policy import obs, stats, tiny_policy
 from wmrl import grpo
-from wmrl.checkpoint import load_checkpoint, save_checkpoint
-from wmrl.interfaces import Policy
+from wmrl.kernel.checkpoint import load_checkpoint, save_checkpoint
+from wmrl.kernel.interfaces import Policy
 
 
 def base_policy():

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from wmrl.storage import (
+from wmrl.kernel.storage import (
     EpisodeStore,
     EpisodeValidationError,
     StoreError,
@@ -26,8 +26,8 @@ from wmrl.storage import (
     WindowDataset,
     masked_mse,
 )
-from wmrl.storage.synthetic import random_episode, random_store
-from wmrl.types import PANDA_OSC_POSE, ActionSpace
+from wmrl.kernel.storage.synthetic import random_episode, random_store
+from wmrl.kernel.types import PANDA_OSC_POSE, ActionSpace
 
 REPO = Path(__file__).resolve().parents[1]
 CAMS = {"agentview": (8, 8), "robot0_eye_in_hand": (6, 10)}
@@ -170,8 +170,8 @@ _CHILD = textwrap.dedent("""
     import sys, time
     import numpy as np
     import zarr
-    from wmrl.storage import EpisodeStore
-    from wmrl.storage.synthetic import random_episode
+    from wmrl.kernel.storage import EpisodeStore
+    from wmrl.kernel.storage.synthetic import random_episode
     path, mode, T = sys.argv[1], sys.argv[2], int(sys.argv[3])
     store = EpisodeStore.open(path, mode="a")
     ep = random_episode(T, {"agentview": (64, 64), "robot0_eye_in_hand": (64, 64)}, seed=99)
@@ -274,8 +274,8 @@ _IMPORT_CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from wmrl.run.import_data import write_store
-    from wmrl.storage.synthetic import random_episode
-    from wmrl.types import PANDA_OSC_POSE
+    from wmrl.kernel.storage.synthetic import random_episode
+    from wmrl.kernel.types import PANDA_OSC_POSE
     def episodes():
         yield random_episode(4, {}, seed=0)
         print("PARTIAL", flush=True)  # the first episode is in the partial store; never finish

@@ -1,4 +1,4 @@
-"""Worker processes die with their parent (wmrl.workers), even when it is killed with SIGKILL."""
+"""Worker processes die with their parent (wmrl.kernel.workers), even when it is killed with SIGKILL."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 PARENT = """
 import sys, time
-from wmrl.workers import worker_pool
+from wmrl.kernel.workers import worker_pool
 pool = worker_pool(2)
 futs = [pool.submit(time.sleep, 120) for _ in range(2)]
 while len(pool._processes) < 2:

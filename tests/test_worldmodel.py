@@ -9,11 +9,16 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from wmrl.types import PANDA_OSC_POSE, Obs
+from wmrl.kernel.types import PANDA_OSC_POSE, Obs
 from worldmodels.data import EpisodeFrames, heldout_episodes, stack_cameras
 from worldmodels.evaluate import action_following, horizon_metrics
 from worldmodels.synthetic import make_episodes
-from worldmodels.train import fit_world_model_stats, one_chunk_psnr, side_by_side_video, train_world_model
+from worldmodels.train import (
+    fit_world_model_stats,
+    one_chunk_psnr,
+    side_by_side_video,
+    train_world_model,
+)
 from worldmodels.video_wm import ChunkFlowWorldModel, to_unit
 
 TINY = OmegaConf.to_container(OmegaConf.load("configs/worldmodel/tiny.yaml"))
@@ -189,7 +194,7 @@ def test_seeded_samples_reproducible_and_diverse(trained):
 
 
 def test_checkpoint_roundtrip_and_resume(trained, tmp_path):
-    from wmrl.checkpoint import load_checkpoint
+    from wmrl.kernel.checkpoint import load_checkpoint
 
     m, _, out, train, held = trained
     loaded = load_checkpoint(out / "checkpoints" / "last").eval()
@@ -227,7 +232,7 @@ def test_one_chunk_psnr_matches_torchmetrics(trained):
 
 
 def _toy_store(path, n=10):
-    from wmrl.storage import EpisodeStore
+    from wmrl.kernel.storage import EpisodeStore
 
     store = EpisodeStore.create(path, cameras={"agentview": (32, 32), "robot0_eye_in_hand": (32, 32)},
                                 state_dim=9, action_dim=7, fps=20, action_space=PANDA_OSC_POSE, embodiment="toy",

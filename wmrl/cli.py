@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"wmrl: unknown subcommand {name!r}.\n\n{_usage()}", file=sys.stderr)
         return 2
-    from wmrl.workers import die_with_parent_from_env
+    from wmrl.kernel.workers import die_with_parent_from_env
 
-    die_with_parent_from_env()  # a child command (started with wmrl.workers.child_env) dies with its parent
+    die_with_parent_from_env()  # a child command (started with wmrl.kernel.workers.child_env) dies with its parent
     module_name = SUBCOMMANDS[name][0]
     if name == "bench":
         if not rest or rest[0] not in BENCHES:

@@ -16,7 +16,7 @@ The suite and the actors are duck-typed (``wmrl`` never imports ``sim``):
   optionally ``describe() -> dict``.
 * actor: ``chunk_size``, ``begin(slot, task_name, seed)``, ``act(env, obs, active) -> (B, H, D_a)``
   and ``needs_images`` (``False`` lets the runner skip rendering cameras).
-  Any ``wmrl.interfaces.Policy`` is wrapped in :class:`PolicyActor`.
+  Any ``wmrl.kernel.interfaces.Policy`` is wrapped in :class:`PolicyActor`.
 
 Confidence intervals: Wilson score interval (Wilson 1927; Brown, Cai & DasGupta 2001 recommend it
 over the normal approximation for small ``n``).
@@ -67,7 +67,7 @@ def episode_seed(seed: int, task: str, j: int) -> int:
 
 
 class PolicyActor:
-    """Adapts a ``wmrl.interfaces.Policy`` to the runner.
+    """Adapts a ``wmrl.kernel.interfaces.Policy`` to the runner.
 
     Args:
         policy: has ``chunk_size``, ``action_dim`` and ``sample(obs, generator) -> PolicySample``.
@@ -209,7 +209,7 @@ def _run_parallel(make_actor, make_suite, queue, workers: int, B: int, seed: int
                   device) -> dict[tuple[str, int], dict]:
     """Deal the queue round-robin to ``workers`` spawned processes (one torch thread each); every
     episode is still fixed by its (task, j), so the rows equal a one-process run."""
-    from wmrl.workers import worker_pool
+    from wmrl.kernel.workers import worker_pool
 
     parts = [queue[k::workers] for k in range(workers)]
     rows: dict[tuple[str, int], dict] = {}

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from wmrl.grpo import collect_groups, rollout_batch
-from wmrl.interfaces import ChunkEnv, Policy
-from wmrl.types import PolicySample, Start
+from wmrl.kernel.interfaces import ChunkEnv, Policy
+from wmrl.kernel.types import PolicySample, Start
 
 
 @torch.no_grad()

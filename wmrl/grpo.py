@@ -1,4 +1,4 @@
-"""GRPO for chunking policies on any :class:`~wmrl.interfaces.ChunkEnv` (SimEnv or ImaginationEnv).
+"""GRPO for chunking policies on any :class:`~wmrl.kernel.interfaces.ChunkEnv` (SimEnv or ImaginationEnv).
 
 The RL math is a set of small pure functions with shape docstrings (in the style of CleanRL's
 ``ppo_continuous_action.py`` and RLinf's ``algorithms/advantages.py``); the training loop
@@ -26,7 +26,7 @@ World-model reward mitigations (WMRL-style, both switchable, both reported):
   ensemble of imagination envs) of every rollout's action chunks; the reward becomes their mean
   and each group is weighted by the inverse variance of its reward estimates.
 
-Shape legend: see :mod:`wmrl.types` (``B`` slots, ``G`` group size, ``N`` chunks per rollout).
+Shape legend: see :mod:`wmrl.kernel.types` (``B`` slots, ``G`` group size, ``N`` chunks per rollout).
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from wmrl.interfaces import ChunkEnv, Policy
-from wmrl.types import Obs, PolicySample, Rollout, Start
+from wmrl.kernel.checkpoint import optimizer_from_tensors, optimizer_to_tensors
+from wmrl.kernel.interfaces import ChunkEnv, Policy
+from wmrl.kernel.types import Obs, PolicySample, Rollout, Start
 
 log = logging.getLogger("wmrl.grpo")
 
@@ -740,33 +741,6 @@ def real_rollout_fn_for(env: ChunkEnv, policy: Policy, cfg: GRPOConfig, rollouts
 # --------------------------------------------------------------------------------------------
 
 
-def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """Split ``opt.state_dict()`` into named tensors (``opt/<param>/<key>``) and a JSON-able rest."""
-    sd = opt.state_dict()
-    tensors, scalars = {}, {}
-    for pid, st in sd["state"].items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"opt/{pid}/{k}"] = v
-            else:
-                scalars[f"{pid}/{k}"] = v
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
-
-
-def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    """Inverse of :func:`optimizer_to_tensors`: load the state into ``opt``."""
-    state: dict[int, dict] = {}
-    for name, v in tensors.items():
-        if not name.startswith("opt/"):
-            continue
-        _, pid, k = name.split("/", 2)
-        state.setdefault(int(pid), {})[k] = v
-    for key, v in meta.get("scalars", {}).items():
-        pid, k = key.split("/", 1)
-        state.setdefault(int(pid), {})[k] = v
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-
-
 # --------------------------------------------------------------------------------------------
 # The training loop: iterations, periodic real evaluation, checkpoints, resume
 # --------------------------------------------------------------------------------------------
@@ -794,17 +768,23 @@ def train_grpo(policy: Policy, policy_config: dict, env: ChunkEnv, optimizer: to
     checkpoint of ``n`` is written; its returned scalars join that iteration's history entry. It
     must restore its own state on resume (the refresher reloads its last round).
     ``rng_streams``: the generators the environments and rollout functions draw from between
-    iterations (``wmrl.interfaces.RandomStreams``; e.g. the imagination env's sampling generator),
+    iterations (``wmrl.kernel.interfaces.RandomStreams``; e.g. the imagination env's sampling generator),
     saved with every checkpoint and restored with the loop's own and the process-wide ones
-    (``wmrl.rng``), so a resumed run is bitwise the uninterrupted one.
+    (``wmrl.kernel.rng``), so a resumed run is bitwise the uninterrupted one.
 
     Returns ``{"history": [per-iteration stats], "evals": [{"iteration", ...}], "iterations",
     "checkpoint", "resumed_from"}``.
     """
     from pathlib import Path
 
-    from wmrl.checkpoint import checkpoint_exists, load_checkpoint_meta, load_extra_tensors, save_checkpoint, verify_checkpoint
-    from wmrl.rng import capture_rng, restore_rng
+    from wmrl.kernel.checkpoint import (
+        checkpoint_exists,
+        load_checkpoint_meta,
+        load_extra_tensors,
+        save_checkpoint,
+        verify_checkpoint,
+    )
+    from wmrl.kernel.rng import capture_rng, restore_rng
 
     out_dir = Path(out_dir)
     ck_dir = out_dir / "checkpoints"

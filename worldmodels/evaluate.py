@@ -18,7 +18,10 @@ from typing import Sequence
 import numpy as np
 import torch
 from torchmetrics.functional.classification import binary_auroc
-from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+from torchmetrics.functional.image import (
+    peak_signal_noise_ratio,
+    structural_similarity_index_measure,
+)
 
 from worldmodels.data import EpisodeFrames, split_cameras
 from worldmodels.video_wm import ChunkFlowWorldModel, WMState, to_unit
@@ -172,7 +175,7 @@ def critic_auroc(critic, data: EpisodeFrames, last_k: int = 1) -> dict:
         T = int(data.lengths[e])
         g = data.offsets[e] + np.arange(max(0, T - last_k), T)
         obs_imgs = split_cameras(torch.from_numpy(data.images[g]), data.cameras)
-        from wmrl.types import Obs
+        from wmrl.kernel.types import Obs
 
         obs = Obs(obs_imgs, torch.from_numpy(data.proprio[g]), [data.instructions[e]] * len(g))
         p, s = critic.evaluate(obs)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from wmrl.types import Episode
+from wmrl.kernel.types import Episode
 
 _SPEED = 0.04  # normalised units per step at |action| = 1
 

@@ -2,7 +2,7 @@
 ``wmrl train-worldmodel`` / ``wmrl train-critic`` and by the pipeline).
 
 Both loops: AdamW with linear warm-up and cosine decay, bfloat16 autocast inside the models,
-tqdm progress, TensorBoard scalars under ``out_dir/tb``, checkpoints (``wmrl.checkpoint`` folders:
+tqdm progress, TensorBoard scalars under ``out_dir/tb``, checkpoints (``wmrl.kernel.checkpoint`` folders:
 ``config.yaml`` + ``model.safetensors`` + optimizer state in ``extra.safetensors`` + step in
 ``meta.json``) under ``out_dir/checkpoints/step_<n>`` and ``.../last``; with ``resume=True`` they
 continue from ``last`` (model, optimizer, step and data RNG). A wall-clock budget
@@ -22,14 +22,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from wmrl.checkpoint import (
+from wmrl.kernel.checkpoint import (
     checkpoint_exists,
     load_checkpoint,
     load_checkpoint_meta,
     load_extra_tensors,
     save_checkpoint,
 )
-from wmrl.precision import Precision
+from wmrl.kernel.precision import Precision
 from worldmodels.critic import ProgressValueCritic
 from worldmodels.data import EpisodeFrames
 from worldmodels.video_wm import ChunkFlowWorldModel, WMState, to_uint8, to_unit
@@ -77,9 +77,9 @@ def lr_at(step: int, total: int, lr: float, warmup: int, time_frac: float = 0.0)
 def _save(model, config: dict, opt, step: int, rng: np.random.Generator, out_dir: Path, tag: str | None,
           gen: torch.Generator | None = None, progress: dict | None = None, report: dict | None = None) -> Path:
     """Write ``last`` (and ``tag``) with everything an exact resume needs: optimizer, the numpy window
-    generator ``rng``, the torch noise generator ``gen`` and the process-wide RNGs (``wmrl.rng``), the
+    generator ``rng``, the torch noise generator ``gen`` and the process-wide RNGs (``wmrl.kernel.rng``), the
     recent losses and elapsed budget time (``progress``); the final checkpoint also carries ``report``."""
-    from wmrl.rng import capture_rng
+    from wmrl.kernel.rng import capture_rng
 
     tens, ometa = optimizer_tensors(opt)
     rng_tensors, rng_meta = capture_rng({"noise": gen} if gen is not None else {})
@@ -111,7 +111,7 @@ class Resumed:
         """Put the saved noise generator ``gen`` (if the loop has one) and the process-wide RNGs back;
         a checkpoint of an older wmrl without them re-seeds ``gen`` (``seed + step``) and says the
         resume is not exact."""
-        from wmrl.rng import restore_rng
+        from wmrl.kernel.rng import restore_rng
 
         if "rng_streams" in self._meta:
             restore_rng(self._tensors, self._meta["rng_streams"], {"noise": gen} if gen is not None else {})
@@ -136,7 +136,7 @@ def _resume(out_dir: Path, opt_factory, model: torch.nn.Module) -> Resumed | Non
     Raises:
         RuntimeError: the checkpoint's weights do not fit ``model`` (another architecture).
     """
-    from wmrl.rng import split_rng_tensors
+    from wmrl.kernel.rng import split_rng_tensors
 
     last = out_dir / "checkpoints" / "last"
     if not checkpoint_exists(last):

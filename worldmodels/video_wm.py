@@ -38,8 +38,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from diffusers import FlowMatchEulerDiscreteScheduler, UNet2DModel
 
-from wmrl.precision import Precision, normalise_setting, resolve_bf16
-from wmrl.types import Obs
+from wmrl.kernel.precision import Precision, normalise_setting, resolve_bf16
+from wmrl.kernel.types import Obs
 from worldmodels.data import split_cameras, stack_cameras
 
 
@@ -73,7 +73,7 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
 
 
 class ChunkFlowWorldModel(nn.Module):
-    """Implements ``wmrl.interfaces.WorldModel``: ``init(Obs) -> WMState``,
+    """Implements ``wmrl.kernel.interfaces.WorldModel``: ``init(Obs) -> WMState``,
     ``imagine(WMState, actions (B, H, D_a), generator) -> (WMState, Obs)``.
 
     Args:
@@ -89,7 +89,7 @@ class ChunkFlowWorldModel(nn.Module):
         noise_scale: std of the initial noise relative to the residual scale.
         action_low, action_high: actions are clipped to this range (the controller's).
         autocast_bf16: bfloat16 autocast of the networks: ``"auto"`` (only where the device runs bf16
-            natively), ``True`` or ``False``; resolved per device type by ``wmrl.precision.resolve_bf16``
+            natively), ``True`` or ``False``; resolved per device type by ``wmrl.kernel.precision.resolve_bf16``
             when the model first runs there (:meth:`precision`).
 
     Normalisation stats (proprio mean / std, std of the proprio change over a chunk) are buffers

@@ -1,1 +1,1 @@
-"""Transports behind :class:`wmrl.interfaces.Transport`: in-process, gRPC, ROS 2 (Cyclone DDS)."""
+"""Transports behind :class:`wmrl.kernel.interfaces.Transport`: in-process, gRPC, ROS 2 (Cyclone DDS)."""

@@ -1,6 +1,6 @@
 """Shared base of the byte transports (in-process, gRPC): one serialized ``Envelope`` per message.
 
-Every transport implements :class:`wmrl.interfaces.Transport`: ``send(envelope)``,
+Every transport implements :class:`wmrl.kernel.interfaces.Transport`: ``send(envelope)``,
 ``recv(timeout) -> envelope | None``, ``close()``. ``recv`` raises
 :class:`robot_bridge.messages.MessageError` for a rejected message (the link stays up: call
 ``recv`` again) and ``ConnectionError`` once the peer is gone.

@@ -49,8 +49,8 @@ from robot_bridge.client import ClientConfig, RobotClient
 from robot_bridge.messages import Limits
 from robot_bridge.server import PolicyServer
 from robot_bridge.testing import KinematicArm, TrackingPolicy
+from wmrl.kernel.workers import child_env
 from wmrl.run.common import RunContext, run_main
-from wmrl.workers import child_env
 
 log = logging.getLogger("wmrl.bench_bridge")
 REPO = Path(__file__).resolve().parents[2]

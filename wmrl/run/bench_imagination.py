@@ -20,8 +20,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from wmrl.kernel.types import Obs, Start
 from wmrl.run.common import RunContext, run_main
-from wmrl.types import Obs, Start
 
 
 def _random_chunks(n: int, b: int, h: int, d: int, seed: int) -> torch.Tensor:
@@ -40,8 +40,8 @@ def _timed(env, starts, chunks: torch.Tensor) -> tuple[float, int]:
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
-    from wmrl.checkpoint import load_checkpoint
     from wmrl.imagination import ImaginationEnv
+    from wmrl.kernel.checkpoint import load_checkpoint
 
     dev = cfg.device
     if cfg.get("world_model"):

@@ -8,7 +8,7 @@ Prints and reports (``report.json``):
   sampler (evaluation) and the SDE sampler (GRPO; includes computing the chain log-prob), each with
   the policy's ``num_steps``; the instruction embedding is cached after the first call, as in use;
 * ``bc``: median time of one BC step (forward, backward, AdamW, EMA) at ``batch_size`` on random
-  windows of the default sizes, for the default precision (``bf16=auto``, ``wmrl.precision``), fp32
+  windows of the default sizes, for the default precision (``bf16=auto``, ``wmrl.kernel.precision``), fp32
   and bf16 side by side; ``default_over_fp32`` (on a CPU without native bf16 the default is fp32, so
   about 1.0), samples/s and the estimated wall time of ``bc_steps`` steps, next to the budgets
   (50 ms, 8 min);
@@ -36,7 +36,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from wmrl.precision import resolve_bf16
+from wmrl.kernel.precision import resolve_bf16
 from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.bench_policy")
@@ -44,10 +44,10 @@ log = logging.getLogger("wmrl.bench_policy")
 
 def _build(cfg: DictConfig):
     if cfg.get("checkpoint"):
-        from wmrl.checkpoint import load_checkpoint
+        from wmrl.kernel.checkpoint import load_checkpoint
 
         return load_checkpoint(cfg.checkpoint), True
-    from wmrl.storage import NormStats
+    from wmrl.kernel.storage import NormStats
 
     pc = OmegaConf.to_container(cfg.policy, resolve=True)
     pc["cameras"] = pc.get("cameras") or list(cfg.cameras)
@@ -62,7 +62,7 @@ def _build(cfg: DictConfig):
 
 
 def _obs(policy, b: int, seed: int = 0):
-    from wmrl.types import Obs
+    from wmrl.kernel.types import Obs
 
     g = torch.Generator().manual_seed(seed)
     h, w = policy.image_size

@@ -32,8 +32,8 @@ def _collect_tasks(suite, tasks: list[str], n: int, noise: float, seed: int, out
     shaped like the store at ``like`` when given); returns per-task ``{episodes, successes, steps}``.
     Runs in the main process (``suite`` a Suite) or in a worker (``suite`` its resolved config dict)."""
     from sim.collect import collect_episodes
+    from wmrl.kernel.storage import EpisodeStore
     from wmrl.refresh import store_like
-    from wmrl.storage import EpisodeStore
 
     if isinstance(suite, dict):
         suite = instantiate(suite)
@@ -62,12 +62,12 @@ def _collect_parallel(cfg: DictConfig, suite, tasks: list[str], n: int, noise: f
     ``workers=1`` writes, whatever the processes' timing (held-out splits and BC data order depend on
     it). Tasks are dealt to the worker with the least expected work (episodes x the task's step
     limit). A run killed before the merge keeps nothing new: a re-run removes the per-worker stores it left and
-    collects those episodes again. Workers die with the main process (``wmrl.workers``)."""
+    collects those episodes again. Workers die with the main process (``wmrl.kernel.workers``)."""
     import shutil
     from pathlib import Path
 
-    from wmrl.storage import EpisodeStore
-    from wmrl.workers import worker_pool
+    from wmrl.kernel.storage import EpisodeStore
+    from wmrl.kernel.workers import worker_pool
 
     work = {t: max(0, n - have[t]) * suite.task(t).max_steps for t in tasks}
     load = [0.0] * workers
@@ -101,7 +101,7 @@ def _collect_parallel(cfg: DictConfig, suite, tasks: list[str], n: int, noise: f
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
-    from wmrl.storage import EpisodeStore
+    from wmrl.kernel.storage import EpisodeStore
 
     if cfg.get("out") in (None, "", "???"):
         raise ValueError("out=PATH is required: the EpisodeStore folder to write")

@@ -3,7 +3,7 @@
     wmrl doctor [estimate=false] [+pipeline.preset=steering] [+pipeline.stages.grpo.iterations=40] [hydra.run.dir=PATH]
 
 Prints, and writes to ``report.json``: the CPU (model, AVX2 / AVX-512 / AVX512_BF16 / AMX), the
-precision the defaults will use and why (``wmrl.precision``; without native bf16 the measured
+precision the defaults will use and why (``wmrl.kernel.precision``; without native bf16 the measured
 bf16/fp32 slowdown), the cores, the torch threads ``num_threads=auto`` picks now and why, the
 OpenMP wait policy, free memory and disk, the offscreen renderer (``MUJOCO_GL``: whether a frame
 renders, and the alternatives tried), the versions of the packages wmrl runs on, the LIBERO
@@ -24,7 +24,13 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from wmrl.run.common import RunContext, available_cores, busy_cores_elsewhere, resolve_threads, run_main
+from wmrl.run.common import (
+    RunContext,
+    available_cores,
+    busy_cores_elsewhere,
+    resolve_threads,
+    run_main,
+)
 
 log = logging.getLogger("wmrl.doctor")
 
@@ -94,7 +100,7 @@ def _libero() -> dict:
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
-    from wmrl.precision import measure_bf16_slowdown, resolve_bf16
+    from wmrl.kernel.precision import measure_bf16_slowdown, resolve_bf16
 
     t0 = time.perf_counter()
     cpu = _cpu()

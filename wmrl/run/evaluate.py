@@ -33,7 +33,7 @@ class InstructionOverride:
         self.chunk_size, self.action_dim = policy.chunk_size, policy.action_dim
 
     def sample(self, obs, generator=None):
-        from wmrl.types import Obs
+        from wmrl.kernel.types import Obs
 
         return self.policy.sample(Obs(obs.images, obs.proprio, [self.instruction] * obs.batch_size), generator)
 
@@ -55,7 +55,7 @@ def build_actor(checkpoint: str, noise: float, suite_cfg: dict, device: str = "c
         if instruction:
             raise ValueError("instruction= applies to a policy checkpoint; the scripted expert reads no instruction")
         return build_suite(suite_cfg).make_expert(float(noise))
-    from wmrl.checkpoint import load_checkpoint
+    from wmrl.kernel.checkpoint import load_checkpoint
 
     policy = load_checkpoint(checkpoint, map_location=device)
     if hasattr(policy, "eval"):

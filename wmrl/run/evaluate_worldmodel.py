@@ -35,7 +35,12 @@ def _policy_check(cfg: DictConfig, wm, critic, ctx: RunContext) -> dict:
     """Imagined vs real-sim success of ``cfg.policy_check.policy`` from the same eval starts."""
     from wmrl import grpo
     from wmrl.imagination import ImaginationEnv
-    from wmrl.run.post_train import ContextStarts, load_policy, task_instructions, using_sampler
+    from wmrl.run.post_train import (
+        ContextStarts,
+        load_policy,
+        task_instructions,
+        using_sampler,
+    )
 
     pc = cfg.policy_check
     policy, _ = load_policy(str(ctx.path(pc.policy)))
@@ -75,7 +80,7 @@ def _policy_check(cfg: DictConfig, wm, critic, ctx: RunContext) -> dict:
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
-    from wmrl.checkpoint import load_checkpoint
+    from wmrl.kernel.checkpoint import load_checkpoint
     from wmrl.run.train_worldmodel import load_splits
     from worldmodels.evaluate import action_following, critic_auroc, horizon_metrics
 

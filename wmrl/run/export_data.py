@@ -2,7 +2,7 @@
 
     wmrl export store=stores/lift out=exports/lift_lerobot repo_id=local/lift
 
-Feature mapping and what goes into ``meta/wmrl.json``: :mod:`wmrl.storage.lerobot_io`. The
+Feature mapping and what goes into ``meta/wmrl.json``: :mod:`wmrl.kernel.storage.lerobot_io`. The
 folder loads offline with ``LeRobotDataset(repo_id, root=out)`` (``HF_HUB_OFFLINE=1``), and
 ``wmrl import source=out`` gives the same arrays back (images bit-exact: PNG image features).
 With ``verify=true`` (default) the run reloads the folder with lerobot and checks the episode and
@@ -27,8 +27,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     """Export ``cfg.store`` to ``cfg.out``; return the report dict (episodes, frames, lengths,
     features, timings in seconds, verification result)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from wmrl.storage import EpisodeStore
-    from wmrl.storage.lerobot_io import LeRobotFormatError, export_lerobot
+    from wmrl.kernel.storage import EpisodeStore
+    from wmrl.kernel.storage.lerobot_io import LeRobotFormatError, export_lerobot
 
     t_start = time.time()
     store_path, out = ctx.path(cfg.store), ctx.path(cfg.out)

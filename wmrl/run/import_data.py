@@ -5,8 +5,8 @@
 
 The format is detected from ``source`` (``format=auto``): a file ending in ``.hdf5``/``.h5`` is a
 robomimic/robosuite demo file (rendered by replaying its MuJoCo states, see
-:mod:`wmrl.storage.robomimic`), a folder with ``meta/info.json`` a LeRobotDataset (see
-:mod:`wmrl.storage.lerobot_io`). Everything is validated before the first frame is written; the
+:mod:`wmrl.kernel.storage.robomimic`), a folder with ``meta/info.json`` a LeRobotDataset (see
+:mod:`wmrl.kernel.storage.lerobot_io`). Everything is validated before the first frame is written; the
 store is built in a temporary sibling folder and renamed to ``out`` once complete, so a failed
 import leaves no store (and never touches an existing one unless ``overwrite=true`` and the new
 one is finished); the temporary folder of an import killed with SIGKILL is removed by the next
@@ -36,7 +36,7 @@ class ImportFormatError(ValueError):
 
 def detect_format(source: Path, fmt: str = "auto") -> str:
     """``"robomimic"`` or ``"lerobot"`` for ``source``; :class:`ImportFormatError` if unknown."""
-    from wmrl.storage.lerobot_io import is_lerobot_folder
+    from wmrl.kernel.storage.lerobot_io import is_lerobot_folder
 
     if fmt not in ("auto", "robomimic", "lerobot"):
         raise ImportFormatError(f"format={fmt!r}: use auto, robomimic or lerobot")
@@ -70,7 +70,7 @@ def _image_size(v) -> tuple[int, int] | None:
 
 
 def write_store(out: Path, episodes, store_kwargs: dict, overwrite: bool) -> tuple[list[int], float]:
-    """Append ``episodes`` (an iterable of :class:`wmrl.types.Episode`) to a new store at ``out``.
+    """Append ``episodes`` (an iterable of :class:`wmrl.kernel.types.Episode`) to a new store at ``out``.
 
     Built in ``.<name>.partial-<pid>-<thread>`` next to ``out`` and renamed into place when all episodes are
     in; on any error the partial folder is removed and ``out`` is untouched. Partial folders of
@@ -81,8 +81,8 @@ def write_store(out: Path, episodes, store_kwargs: dict, overwrite: bool) -> tup
         FileExistsError: ``out`` appeared while we worked and ``overwrite`` is false.
         StoreError, EpisodeValidationError: from the store (bad metadata, an episode that does not fit).
     """
-    from wmrl.leftovers import temp_sibling
-    from wmrl.storage import EpisodeStore
+    from wmrl.kernel.leftovers import temp_sibling
+    from wmrl.kernel.storage import EpisodeStore
 
     tmp = temp_sibling(out, "partial")
     lengths, t_write = [], 0.0
@@ -122,7 +122,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     report: dict = {"format": fmt, "source": str(source), "out": str(out)}
 
     if fmt == "robomimic":
-        from wmrl.storage.robomimic import (
+        from wmrl.kernel.storage.robomimic import (
             DEFAULT_CAMERAS,
             DEFAULT_INSTRUCTIONS,
             inspect_robomimic,
@@ -163,7 +163,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
                        "instruction": instruction,
                        "assets_found_by_name": sorted({p for d in info.demos for p in d.repair.by_name})})
     else:
-        from wmrl.storage.lerobot_io import inspect_lerobot, read_lerobot
+        from wmrl.kernel.storage.lerobot_io import inspect_lerobot, read_lerobot
 
         t0 = time.time()
         asp = cfg.get("action_space")

@@ -93,7 +93,7 @@ def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None, su
     Returns ``{"sim_step_s", "bc_step_s", "wm_step_s", "critic_step_s", "imagine_per_rollout_s",
     "policy_per_env_s", "policy_sde_per_rollout_s", "calibration_s"}``.
     """
-    from wmrl.precision import resolve_bf16
+    from wmrl.kernel.precision import resolve_bf16
     from wmrl.run.bench_policy import _bc_step_fn, _build, _obs
     from wmrl.run.bench_sim import measure
 

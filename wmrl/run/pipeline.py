@@ -41,10 +41,10 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from wmrl.kernel.types import Start
 from wmrl.refresh import record_episodes, store_like
 from wmrl.run import machine
 from wmrl.run.common import RunContext, run_main
-from wmrl.types import Start
 
 log = logging.getLogger("wmrl.pipeline")
 
@@ -288,7 +288,7 @@ def _module_run(module: str):
 
 def merge_stores(sources: list[Path], dest: Path, source: str = "pipeline") -> dict:
     """Copy every episode of ``sources`` (EpisodeStores with the same cameras/dims) into a new store."""
-    from wmrl.storage import EpisodeStore
+    from wmrl.kernel.storage import EpisodeStore
 
     out = store_like(EpisodeStore.open(sources[0], "r"), dest, source)
     n = 0
@@ -446,8 +446,14 @@ def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: di
     :func:`wmrl.fidelity.replay_check`."""
     from wmrl import grpo
     from wmrl.fidelity import replay_check
-    from wmrl.run.post_train import (ContextStarts, load_policy, make_imagination_env, make_sim_env, rl_policy,
-                                     train_n_init)
+    from wmrl.run.post_train import (
+        ContextStarts,
+        load_policy,
+        make_imagination_env,
+        make_sim_env,
+        rl_policy,
+        train_n_init,
+    )
 
     policy, policy_cfg = load_policy(bc_ckpt, str(c.device))
     policy, _, rl_sampler = rl_policy(policy, policy_cfg, gcfg, str(c.device))
@@ -546,8 +552,8 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
     mixed = out / "bc_rollouts" / "demos_and_rollouts.zarr"
 
     def _bc_rollouts(scfg, sctx):
+        from wmrl.kernel.storage import EpisodeStore
         from wmrl.run.post_train import load_policy, using_sampler
-        from wmrl.storage import EpisodeStore
 
         policy, _ = load_policy(bc_ckpt, cfg.device)
         policy.eval()

@@ -30,9 +30,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from wmrl import grpo
-from wmrl.interfaces import RandomStreams
+from wmrl.kernel.interfaces import RandomStreams
+from wmrl.kernel.types import Start
 from wmrl.run.common import RunContext, run_main
-from wmrl.types import Start
 
 log = logging.getLogger("wmrl.post_train")
 
@@ -67,8 +67,8 @@ def make_sim_env(num_envs: int, suite=None, tasks=None, **suite_kwargs):
 
 def _precision_report(env, policy) -> dict:
     """What GRPO computed in: the policy always in fp32 (its log-prob ratios would be bf16 noise
-    otherwise), the world model of an imagination env at its own resolved precision (``wmrl.precision``)."""
-    from wmrl.precision import Precision
+    otherwise), the world model of an imagination env at its own resolved precision (``wmrl.kernel.precision``)."""
+    from wmrl.kernel.precision import Precision
 
     out = {"policy": Precision.fixed_fp32(next(policy.parameters()).device,
                                           "GRPO: policy log-probs and ratios are computed in fp32").as_dict()}
@@ -80,8 +80,8 @@ def _precision_report(env, policy) -> dict:
 
 def make_imagination_env(world_model: str, critic: str, num_envs: int, seed: int = 0, device: str = "cpu", **kwargs):
     """``wmrl.imagination.ImaginationEnv`` from world-model and critic checkpoint folders."""
-    from wmrl.checkpoint import load_checkpoint
     from wmrl.imagination import ImaginationEnv
+    from wmrl.kernel.checkpoint import load_checkpoint
 
     wm = load_checkpoint(world_model, map_location=device).eval()
     cr = load_checkpoint(critic, map_location=device).eval()
@@ -125,7 +125,7 @@ class KeyframeStarts:
     short (WoVR / World-Gymnast keyframe-initialised rollouts)."""
 
     def __init__(self, store_path, tasks: dict, per_task: int, seed: int = 0, min_steps_left: int = 8):
-        from wmrl.storage import EpisodeStore
+        from wmrl.kernel.storage import EpisodeStore
 
         self.store = EpisodeStore.open(store_path, mode="r")
         names = self.store.task_names
@@ -207,7 +207,7 @@ def rl_policy(policy, policy_cfg: dict, cfg: DictConfig, device: str = "cpu"):
 
 def load_policy(path, device: str = "cpu"):
     """Policy checkpoint -> ``(policy, constructor config dict)``."""
-    from wmrl.checkpoint import load_checkpoint, read_checkpoint_config
+    from wmrl.kernel.checkpoint import load_checkpoint, read_checkpoint_config
 
     cfg = read_checkpoint_config(path)
     return load_checkpoint(path, map_location=device), cfg
@@ -312,7 +312,7 @@ def _maybe_refresher(cfg: DictConfig, ctx: RunContext, env, suite, tasks: dict, 
     if rc.get("store") in (None, "", "???"):
         raise ValueError("refresh.every > 0 needs refresh.store=PATH: the world model's training EpisodeStore "
                          "(replay data against forgetting)")
-    from wmrl.checkpoint import read_checkpoint_config
+    from wmrl.kernel.checkpoint import read_checkpoint_config
     from wmrl.refresh import WorldModelRefresher
 
     wm, cr = rc.worldmodel, rc.critic

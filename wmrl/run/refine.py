@@ -49,8 +49,8 @@ def _model_config(folder) -> dict:
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
-    from wmrl.checkpoint import load_checkpoint
-    from wmrl.storage import EpisodeStore
+    from wmrl.kernel.checkpoint import load_checkpoint
+    from wmrl.kernel.storage import EpisodeStore
     from worldmodels.data import EpisodeFrames, heldout_episodes
     from worldmodels.train import train_critic, train_world_model
 

@@ -37,8 +37,8 @@ from robot_bridge.arm import ChunkEnvArm, EpisodeRecorder, run_node
 from robot_bridge.client import ClientConfig, ReconnectPolicy, with_retry
 from robot_bridge.messages import Limits
 from robot_bridge.safety import SafetyLimits
+from wmrl.kernel.types import PANDA_OSC_POSE, Obs
 from wmrl.run.common import RunContext, run_main
-from wmrl.types import PANDA_OSC_POSE, Obs
 
 log = logging.getLogger("wmrl.robot")
 
@@ -67,7 +67,7 @@ def build_arm(cfg: DictConfig):
 def build_critic(cfg: DictConfig, ctx: RunContext):
     if not cfg.get("critic_checkpoint"):
         return None
-    from wmrl.checkpoint import load_checkpoint
+    from wmrl.kernel.checkpoint import load_checkpoint
 
     critic = load_checkpoint(ctx.path(cfg.critic_checkpoint))
     critic.eval()
@@ -133,9 +133,8 @@ def reconnect_policy(cfg: DictConfig) -> ReconnectPolicy:
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
-    from wmrl.storage import EpisodeStore
-
     from robot_bridge.process import tune_process
+    from wmrl.kernel.storage import EpisodeStore
 
     tuned = tune_process(cfg.process.get("nice"), cfg.process.get("switch_interval_s"))
     arm, action_space, embodiment = build_arm(cfg)

@@ -3,7 +3,7 @@
     wmrl serve checkpoint=runs/bc/checkpoints/last transport=grpc transport.address=127.0.0.1:50051
     wmrl serve transport=ros2 inference_delay_s=0.15          # test policy, 150 ms per chunk
 
-Loads a policy (``checkpoint`` via ``wmrl.checkpoint.load_checkpoint``, or ``policy._target_``),
+Loads a policy (``checkpoint`` via ``wmrl.kernel.checkpoint.load_checkpoint``, or ``policy._target_``),
 wraps a flow-matching policy for real-time chunking (:class:`FlowRTCAdapter`) and serves robot
 connections (``wmrl robot``), up to ``max_sessions`` at once; one more is told ``[busy]``
 (``on_busy=reject``) or waits (``on_busy=queue``); a connection that says no ``Hello`` within
@@ -65,7 +65,7 @@ def build_policy(cfg: DictConfig, ctx: RunContext):
     """The served policy: ``cfg.checkpoint`` (a folder) or ``instantiate(cfg.policy)``; flow
     policies with a velocity field are wrapped in :class:`FlowRTCAdapter` when ``cfg.rtc``."""
     if cfg.get("checkpoint"):
-        from wmrl.checkpoint import load_checkpoint
+        from wmrl.kernel.checkpoint import load_checkpoint
 
         path = ctx.path(cfg.checkpoint)
         if not path.is_dir():

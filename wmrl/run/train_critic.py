@@ -35,7 +35,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     if im.get("world_model") and float(im.get("fraction", 0.0)) > 0:
         import numpy as np
 
-        from wmrl.checkpoint import load_checkpoint
+        from wmrl.kernel.checkpoint import load_checkpoint
         from worldmodels.train import imagined_frame_bank
 
         wm = load_checkpoint(ctx.path(im.world_model), map_location=str(cfg.device)).eval()

@@ -8,7 +8,7 @@ metadata), sets its normalisation statistics from the training episodes (``store
 all episodes; the held-out validation episodes are few), trains with
 :func:`policies.train.train_bc` (chunk windows with padding masks, EMA, TensorBoard scalars under
 ``<run>/tb``, checkpoints under ``<run>/checkpoints/{step_<n>,last}``, resumes from ``last``) and
-writes ``report.json``. The checkpoint loads with ``wmrl.checkpoint.load_checkpoint``.
+writes ``report.json``. The checkpoint loads with ``wmrl.kernel.checkpoint.load_checkpoint``.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def cap_episodes_per_task(episodes: np.ndarray, task_names, cap) -> np.ndarray:
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from policies.train import train_bc
-    from wmrl.storage import EpisodeStore, WindowDataset
+    from wmrl.kernel.storage import EpisodeStore, WindowDataset
 
     if cfg.get("store") in (None, "", "???"):
         raise ValueError("train-policy needs store=PATH (an EpisodeStore folder, e.g. from `wmrl collect`)")

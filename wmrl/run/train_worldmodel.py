@@ -28,7 +28,7 @@ log = logging.getLogger("wmrl")
 
 def load_splits(store_path, heldout_every: int, cameras):
     """(train, heldout) ``EpisodeFrames`` of an EpisodeStore, split by episode index."""
-    from wmrl.storage import EpisodeStore
+    from wmrl.kernel.storage import EpisodeStore
     from worldmodels.data import EpisodeFrames, heldout_episodes
 
     store = EpisodeStore.open(store_path, mode="r")
@@ -75,7 +75,7 @@ def heldout_horizons(checkpoint, held, max_chunks: int, position_dims, seed: int
     """Fidelity of the trained model ``k = 1..max_chunks`` chunks ahead on the held-out episodes
     (``worldmodels.evaluate.horizon_metrics`` with the true actions): PSNR gain over copy-last-frame
     (dB) and the imagined end-effector position error (m) beside the copy baseline's."""
-    from wmrl.checkpoint import load_checkpoint
+    from wmrl.kernel.checkpoint import load_checkpoint
     from worldmodels.evaluate import horizon_metrics
 
     model = load_checkpoint(checkpoint, map_location="cpu").eval()

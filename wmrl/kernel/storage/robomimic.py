@@ -16,7 +16,7 @@ robosuite environment: the recorded MJCF is compiled directly with MuJoCo after 
 state is set with ``qpos``/``qvel`` + ``mj_forward`` (no simulation steps, so the frames show exactly
 the recorded states).
 
-Conventions of the produced :class:`wmrl.types.Episode`:
+Conventions of the produced :class:`wmrl.kernel.types.Episode`:
 
 * images: ``uint8 (T, 3, Hi, Wi)`` upright RGB from ``mujoco.Renderer`` (which already flips
   OpenGL's bottom-up buffer; checked against the reference render in
@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wmrl.types import AGENTVIEW, EYE_IN_HAND, ActionSpace, Episode
+from wmrl.kernel.types import AGENTVIEW, EYE_IN_HAND, ActionSpace, Episode
 
 ASSETS_MARKER = "robosuite/models/assets/"
 DEFAULT_CAMERAS = (AGENTVIEW, EYE_IN_HAND)
@@ -582,7 +582,7 @@ def read_robomimic(info: RobomimicInfo, cameras: Sequence[str] = DEFAULT_CAMERAS
         render_effects: see :class:`StateReplayRenderer`.
 
     Yields:
-        :class:`wmrl.types.Episode` per demo, in order (see the module docstring for conventions).
+        :class:`wmrl.kernel.types.Episode` per demo, in order (see the module docstring for conventions).
     """
     import h5py
     from tqdm import tqdm

@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from wmrl.storage.episode_store import EpisodeStore, window_indices
+from wmrl.kernel.storage.episode_store import EpisodeStore, window_indices
 
 
 class WindowDataset(Dataset):

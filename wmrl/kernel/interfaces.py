@@ -1,7 +1,7 @@
 """The five role protocols. Implementations live in the component packages and are put together
 only in ``wmrl/run/`` (the composition roots). Contract tests: ``tests/test_contracts.py``.
 
-See ``wmrl.types`` for the shape legend and units.
+See ``wmrl.kernel.types`` for the shape legend and units.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from wmrl.types import Obs, PolicySample, Start, StepResult
+from wmrl.kernel.types import Obs, PolicySample, Start, StepResult
 
 
 @runtime_checkable
@@ -90,7 +90,7 @@ class Transport(Protocol):
 class RandomStreams(Protocol):
     """Capability: an object that draws from generators of its own (e.g. ``ImaginationEnv``'s
     sampling generator) declares them, so a trainer's checkpoint saves and restores them
-    (``wmrl.rng``) and a resumed run continues the uninterrupted one bit for bit."""
+    (``wmrl.kernel.rng``) and a resumed run continues the uninterrupted one bit for bit."""
 
     def rng_streams(self) -> dict[str, Any]:
         """Name (no ``/``) -> ``torch.Generator`` or ``numpy.random.Generator``, the live objects."""

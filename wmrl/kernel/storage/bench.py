@@ -1,4 +1,4 @@
-"""Storage speed figures: ``python -m wmrl.storage.bench [--steps 500] [--size 64] [--episodes 5]``.
+"""Storage speed figures: ``python -m wmrl.kernel.storage.bench [--steps 500] [--size 64] [--episodes 5]``.
 
 Prints the time to append an episode with two cameras (durable and not), to read it back, to load
 a :class:`WindowDataset` in memory, and the window throughput of ``get_batch`` / ``__getitem__``.
@@ -17,9 +17,9 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from wmrl.storage import EpisodeStore, WindowDataset
-    from wmrl.storage.synthetic import random_episode
-    from wmrl.types import AGENTVIEW, EYE_IN_HAND, PANDA_OSC_POSE
+    from wmrl.kernel.storage import EpisodeStore, WindowDataset
+    from wmrl.kernel.storage.synthetic import random_episode
+    from wmrl.kernel.types import AGENTVIEW, EYE_IN_HAND, PANDA_OSC_POSE
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=500)

@@ -1,4 +1,4 @@
-"""Exception classes of :mod:`wmrl.storage`. All subclass ``ValueError`` so that callers that only
+"""Exception classes of :mod:`wmrl.kernel.storage`. All subclass ``ValueError`` so that callers that only
 know "bad input" can catch them generically; each message says what is wrong, where (episode, key,
 step) and what to change."""
 

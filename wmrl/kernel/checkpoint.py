@@ -5,7 +5,7 @@ A checkpoint folder holds
 * ``config.yaml``: ``_target_`` (import path of the object's class) plus its constructor
   arguments, so :func:`load_checkpoint` rebuilds it with ``hydra.utils.instantiate``;
 * ``model.safetensors``: the ``state_dict`` (parameters and buffers, e.g. normalisation
-  statistics held by a :class:`wmrl.storage.Normalizer`);
+  statistics held by a :class:`wmrl.kernel.storage.Normalizer`);
 * optionally ``extra.safetensors`` (any named tensors, e.g. optimizer state, see
   :func:`optimizer_state_to_tensors`) and ``meta.json`` (JSON, e.g. the training step).
 
@@ -42,7 +42,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from wmrl.leftovers import dead_writer_leftovers
+from wmrl.kernel.leftovers import dead_writer_leftovers
 
 CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"
@@ -50,7 +50,7 @@ EXTRA_FILE = "extra.safetensors"
 META_FILE = "meta.json"
 CHECKSUM_FILE = "checksums.json"
 
-log = logging.getLogger("wmrl.checkpoint")
+log = logging.getLogger("wmrl.kernel.checkpoint")
 
 
 class CheckpointError(ValueError):
@@ -323,3 +323,33 @@ def load_checkpoint_meta(folder: str | os.PathLike) -> dict:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{p} is corrupt: {e}") from None
+
+
+# ---------------------------------------------------------------------------- optimizer state
+def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split ``opt.state_dict()`` into named tensors (``opt/<param index>/<key>``) and a JSON-able rest
+    (``{"param_groups": ..., "scalars": {"<param index>/<key>": value}}``), for a checkpoint's
+    ``extra.safetensors`` and meta. The one optimizer-state format of every trainer; no pickle."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"opt/{pid}/{k}"] = v
+            else:
+                scalars[f"{pid}/{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Inverse of :func:`optimizer_to_tensors`: load the state into ``opt``."""
+    state: dict[int, dict] = {}
+    for name, v in tensors.items():
+        if not name.startswith("opt/"):
+            continue
+        _, pid, k = name.split("/", 2)
+        state.setdefault(int(pid), {})[k] = v
+    for key, v in meta.get("scalars", {}).items():
+        pid, k = key.split("/", 1)
+        state.setdefault(int(pid), {})[k] = v
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})

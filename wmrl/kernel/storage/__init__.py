@@ -1,19 +1,23 @@
 """Episode storage: the zarr v3 :class:`EpisodeStore`, normalisation statistics, training windows.
 
-Import/export of robomimic ``demo.hdf5`` and LeRobotDataset v3 live in ``wmrl.storage.robomimic``
-and ``wmrl.storage.lerobot_io``.
+Import/export of robomimic ``demo.hdf5`` and LeRobotDataset v3 live in ``wmrl.kernel.storage.robomimic``
+and ``wmrl.kernel.storage.lerobot_io``.
 """
 
-from wmrl.storage.dataset import WindowDataset, masked_mean, masked_mse
-from wmrl.storage.episode_store import FORMAT_VERSION, EpisodeStore, window_indices
-from wmrl.storage.errors import (
+from wmrl.kernel.storage.dataset import WindowDataset, masked_mean, masked_mse
+from wmrl.kernel.storage.episode_store import (
+    FORMAT_VERSION,
+    EpisodeStore,
+    window_indices,
+)
+from wmrl.kernel.storage.errors import (
     EpisodeValidationError,
     MissingStatsError,
     StoreError,
     StoreExistsError,
     StoreFormatError,
 )
-from wmrl.storage.normalize import NormStats, Normalizer
+from wmrl.kernel.storage.normalize import Normalizer, NormStats
 
 __all__ = [
     "EpisodeStore",

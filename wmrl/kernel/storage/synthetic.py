@@ -7,8 +7,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from wmrl.storage.episode_store import EpisodeStore
-from wmrl.types import PANDA_OSC_POSE, ActionSpace, Episode
+from wmrl.kernel.storage.episode_store import EpisodeStore
+from wmrl.kernel.types import PANDA_OSC_POSE, ActionSpace, Episode
 
 
 def random_episode(T: int, cameras: Mapping[str, tuple[int, int]] | None = None, state_dim: int = 9,

@@ -6,7 +6,7 @@ and Python generators that library code may draw from. Re-seeding them on resume
 gives a run as different from the uninterrupted one as another data seed (issue #25 measured 2.8 %
 relative L2 of the final BC weights). :func:`capture_rng` turns every stream into named tensors
 (``torch.Generator`` states, ``uint8``) and JSON (numpy bit-generator states, Python's Mersenne
-Twister state), the checkpoint formats of :mod:`wmrl.checkpoint` (no pickle); :func:`restore_rng`
+Twister state), the checkpoint formats of :mod:`wmrl.kernel.checkpoint` (no pickle); :func:`restore_rng`
 puts them back.
 
 Key names: ``rng/global/torch``, ``rng/global/cuda/<i>``, ``rng/stream/<name>`` in the tensors; the

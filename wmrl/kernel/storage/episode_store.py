@@ -44,15 +44,15 @@ import torch
 import zarr
 from zarr.codecs import ZstdCodec
 
-from wmrl.leftovers import temp_sibling
-from wmrl.storage.errors import (
+from wmrl.kernel.leftovers import temp_sibling
+from wmrl.kernel.storage.errors import (
     EpisodeValidationError,
     StoreError,
     StoreExistsError,
     StoreFormatError,
 )
-from wmrl.storage.normalize import NormStats
-from wmrl.types import ActionSpace, Episode
+from wmrl.kernel.storage.normalize import NormStats
+from wmrl.kernel.types import ActionSpace, Episode
 
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
@@ -102,7 +102,7 @@ class EpisodeStore:
 
     Metadata (``store.meta``, JSON): ``cameras`` ({name: [Hi, Wi]}), ``state_dim`` (``D_s``),
     ``action_dim`` (``D_a``), ``fps`` (control steps per second), ``action_space``
-    (:meth:`wmrl.types.ActionSpace.to_dict`: delta/absolute, frame, gripper sign, range),
+    (:meth:`wmrl.kernel.types.ActionSpace.to_dict`: delta/absolute, frame, gripper sign, range),
     ``embodiment`` (e.g. ``"panda"``), ``source`` (e.g. ``"scripted"``, ``"robomimic"``), ``info``
     (free JSON), ``format_version``.
 
@@ -441,7 +441,7 @@ class EpisodeStore:
     def window(self, i: int, t: int, n_obs: int = 1, horizon: int = 1, n_future: int = 0,
                cameras: list[str] | None = None) -> dict[str, Any]:
         """Training window at episode ``i``, step ``t`` (read from disk; see
-        :class:`wmrl.storage.WindowDataset` for the fast in-memory version and the key table)."""
+        :class:`wmrl.kernel.storage.WindowDataset` for the fast in-memory version and the key table)."""
         i = self._check_index(i)
         T = int(self._index[i]["length"])
         if not 0 <= int(t) < T:
@@ -627,7 +627,7 @@ def _validate_episode(ep: Episode, meta: dict, index: int | None) -> None:
         return EpisodeValidationError(msg, episode=index, key=key, step=step)
 
     if not isinstance(ep, Episode):
-        raise err(f"expected a wmrl.types.Episode, got {type(ep).__name__}")
+        raise err(f"expected a wmrl.kernel.types.Episode, got {type(ep).__name__}")
     D_s, D_a = int(meta["state_dim"]), int(meta["action_dim"])
 
     def as_float(key: str, x, shape: tuple) -> np.ndarray:

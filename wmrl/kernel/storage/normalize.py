@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from wmrl.storage.errors import MissingStatsError
+from wmrl.kernel.storage.errors import MissingStatsError
 
 STAT_NAMES = ("mean", "std", "min", "max", "q01", "q99")
 Mode = Literal["mean_std", "quantile"]

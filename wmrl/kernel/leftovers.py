@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-log = logging.getLogger("wmrl.leftovers")
+log = logging.getLogger("wmrl.kernel.leftovers")
 
 
 def pid_alive(pid: int) -> bool:

@@ -1,6 +1,6 @@
 """LeRobotDataset v3 export and import, through ``lerobot`` itself (local folders, never the hub).
 
-Export (:func:`export_lerobot`) writes an :class:`~wmrl.storage.EpisodeStore` with
+Export (:func:`export_lerobot`) writes an :class:`~wmrl.kernel.storage.EpisodeStore` with
 ``LeRobotDataset.create`` / ``add_frame`` / ``save_episode`` / ``finalize`` (lerobot 0.6,
 ``codebase_version`` ``v3.0``). Feature mapping, per frame ``t`` of an episode:
 
@@ -50,8 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
-from wmrl.leftovers import temp_sibling
-from wmrl.types import ActionSpace, Episode
+from wmrl.kernel.leftovers import temp_sibling
+from wmrl.kernel.types import ActionSpace, Episode
 
 SUPPORTED_CODEBASE_VERSIONS = ("v3.0",)
 VIDEO_TOLERANCE_FRAMES = 0.5  # a video frame matches frame index t within half a frame of t / fps
@@ -108,7 +108,7 @@ def export_lerobot(store, out: str | os.PathLike, repo_id: str = "local/wmrl", o
     ``out`` whose process is gone (killed with SIGKILL) are removed first.
 
     Args:
-        store: an open :class:`wmrl.storage.EpisodeStore`.
+        store: an open :class:`wmrl.kernel.storage.EpisodeStore`.
         out: folder to write (must not exist unless ``overwrite``).
         repo_id: LeRobot repo id recorded in the dataset (``"<user>/<name>"``; nothing is uploaded).
         episodes: store indices to export (default all).

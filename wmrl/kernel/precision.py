@@ -29,7 +29,7 @@ import platform
 import time
 from typing import Any
 
-log = logging.getLogger("wmrl.precision")
+log = logging.getLogger("wmrl.kernel.precision")
 
 ENV_OVERRIDE = "WMRL_NATIVE_BF16"
 _WARNED: set[str] = set()

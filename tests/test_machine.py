@@ -211,7 +211,7 @@ def test_pipeline_marks_a_run_cut_by_a_budget_as_not_comparable():
 
 # ----------------------------------------------------------------------------- estimate, doctor
 def _pipeline_cfg(preset=None):
-    from wmrl.run.pipeline import apply_preset, compose_stage_config
+    from wmrl.run.stages import apply_preset, compose_stage_config
 
     return apply_preset(compose_stage_config("pipeline", {"preset": preset} if preset else {}))
 

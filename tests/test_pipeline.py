@@ -10,7 +10,7 @@ from grpo_fakes import GaussianChunkPolicy, ToyReachEnv, toy_starts
 from omegaconf import OmegaConf
 
 from wmrl.kernel.types import ActionSpace
-from wmrl.run import pipeline
+from wmrl.run import figures, pipeline, stages
 from wmrl.run.common import RunContext
 
 
@@ -51,12 +51,12 @@ def test_stages_time_and_skip_finished_on_resume(tmp_path):
         calls.append(sub.out_dir.name)
         return {"value": 7}
 
-    s = pipeline.Stages(ctx, resume=True)
+    s = stages.Stages(ctx, resume=True)
     assert s.run("a", cfg, fn)["value"] == 7
     assert (tmp_path / "a" / "report.json").is_file() and "a" in s.wall
-    s2 = pipeline.Stages(ctx, resume=True)
+    s2 = stages.Stages(ctx, resume=True)
     assert s2.run("a", cfg, fn)["value"] == 7 and calls == ["a"]
-    pipeline.Stages(ctx, resume=False).run("a", cfg, fn)
+    stages.Stages(ctx, resume=False).run("a", cfg, fn)
     assert calls == ["a", "a"]
 
 
@@ -72,12 +72,12 @@ def test_resumed_stage_must_have_the_same_settings(tmp_path, caplog):
     def cfg(x=1, threads=1, store="a/data.zarr"):
         return OmegaConf.create({"x": x, "num_threads": threads, "store": str(run / store)})
 
-    pipeline.Stages(ctx, resume=True).run("a", cfg(), fn)
+    stages.Stages(ctx, resume=True).run("a", cfg(), fn)
     assert (run / "a" / "stage_inputs.json").is_file()
-    s = pipeline.Stages(ctx, resume=True)
+    s = stages.Stages(ctx, resume=True)
     assert s.run("a", cfg(threads=2), fn)["value"] == 1 and calls == ["a"]   # a result-neutral setting may change
     with pytest.raises(ValueError, match=r"stage a .* other settings \(x: 1 -> 2\).*rm -r .*a") as e:
-        pipeline.Stages(ctx, resume=True).run("a", cfg(x=2), fn)
+        stages.Stages(ctx, resume=True).run("a", cfg(x=2), fn)
     assert calls == ["a"] and json.loads((run / "a" / "report.json").read_text())["value"] == 1   # nothing lost
     assert "resume=false" in str(e.value)
     # a run directory moved elsewhere resumes: paths inside it are compared relative to it
@@ -87,37 +87,37 @@ def test_resumed_stage_must_have_the_same_settings(tmp_path, caplog):
     shutil.copytree(run, moved)
     run = moved
     ctx2 = RunContext(OmegaConf.create({}), out_dir=moved)
-    assert pipeline.Stages(ctx2, resume=True).run("a", cfg(), fn)["value"] == 1 and calls == ["a"]
+    assert stages.Stages(ctx2, resume=True).run("a", cfg(), fn)["value"] == 1 and calls == ["a"]
     # a stage finished by an older version (no stage_inputs.json) is reused with a warning
     (moved / "a" / "stage_inputs.json").unlink()
     with caplog.at_level("WARNING", logger="wmrl.pipeline"):
-        pipeline.Stages(ctx2, resume=True).run("a", cfg(x=5), fn)
+        stages.Stages(ctx2, resume=True).run("a", cfg(x=5), fn)
     assert calls == ["a"] and "without comparing" in caplog.text
 
 
 def test_stage_to_rerun_with_finished_later_stages_is_refused_up_front(tmp_path):
     ctx = RunContext(OmegaConf.create({}), out_dir=tmp_path)
     c = OmegaConf.create({"x": 1})
-    s = pipeline.Stages(ctx, resume=True, order=["a", "b", "c"])
+    s = stages.Stages(ctx, resume=True, order=["a", "b", "c"])
     for n in "abc":
         s.run(n, c, lambda c_, sub: {})
-    pipeline.Stages(ctx, resume=True, order=["a", "b", "c"])   # all finished: fine
+    stages.Stages(ctx, resume=True, order=["a", "b", "c"])   # all finished: fine
     import shutil
 
     shutil.rmtree(tmp_path / "a")
     with pytest.raises(ValueError, match=r"stage a has no results .* later stage\(s\) b, c"):
-        pipeline.Stages(ctx, resume=True, order=["a", "b", "c"])
-    pipeline.Stages(ctx, resume=False, order=["a", "b", "c"])  # resume=false reruns everything: no check
+        stages.Stages(ctx, resume=True, order=["a", "b", "c"])
+    stages.Stages(ctx, resume=False, order=["a", "b", "c"])  # resume=false reruns everything: no check
 
 
 def test_a_refused_resume_keeps_the_run_directory_config(tmp_path, monkeypatch):
-    old = pipeline.compose_stage_config("pipeline", {})
+    old = stages.compose_stage_config("pipeline", {})
     RunContext(old, out_dir=tmp_path)
     saved = (tmp_path / "config.yaml").read_text()
-    new = pipeline.compose_stage_config("pipeline", {"stages": {"grpo": {"lr": 1.0e-4}}})
+    new = stages.compose_stage_config("pipeline", {"stages": {"grpo": {"lr": 1.0e-4}}})
 
     def refuse(cfg, ctx):
-        raise pipeline.ResumeRefused("stage grpo was run with other settings")
+        raise stages.ResumeRefused("stage grpo was run with other settings")
 
     monkeypatch.setattr(pipeline, "_run", refuse)
     ctx = RunContext(new, out_dir=tmp_path)
@@ -125,7 +125,7 @@ def test_a_refused_resume_keeps_the_run_directory_config(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="other settings"):
         pipeline.run(new, ctx)
     assert (tmp_path / "config.yaml").read_text() == saved       # put back: it describes the results there
-    bad = pipeline.compose_stage_config("pipeline", {"preset": "stering"})
+    bad = stages.compose_stage_config("pipeline", {"preset": "stering"})
     with pytest.raises(ValueError, match="unknown pipeline preset 'stering'"):
         pipeline.run(bad, RunContext(bad, out_dir=tmp_path))
     assert (tmp_path / "config.yaml").read_text() == saved
@@ -133,19 +133,19 @@ def test_a_refused_resume_keeps_the_run_directory_config(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("preset", [None, "steering", "debug"])
 def test_default_and_preset_stage_settings_pass_the_check(preset):
-    c = pipeline.apply_preset(pipeline.compose_stage_config("pipeline", {"preset": preset}))
-    assert pipeline.check_stage_overrides(c) > 30
+    c = stages.apply_preset(stages.compose_stage_config("pipeline", {"preset": preset}))
+    assert stages.check_stage_overrides(c) > 30
 
 
 def test_bad_stage_settings_are_refused_before_anything_runs():
-    c = pipeline.compose_stage_config("pipeline", {"preset": "steering"})
-    c = pipeline.apply_preset(c, ["+stages.grpo.iteratons=3", "stages.grpo.iterations=abc", "+stages.grpo.seed=1",
+    c = stages.compose_stage_config("pipeline", {"preset": "steering"})
+    c = stages.apply_preset(c, ["+stages.grpo.iteratons=3", "stages.grpo.iterations=abc", "+stages.grpo.seed=1",
                                   "+stages.bc_rollouts.samplr=1", "+stages.grpo.rl_sampler.foo=2", "stages.grpo.lr=1",
                                   "+stages.grpo.steer.enabled=1", "+stages.bogus.x=1", "stages.bc.steps=null",
                                   "+stages.grpo.refresh.worldmodel.seconds=2.5", "+stages.bc.train.time_budget_s=90.5",
                                   "+stages.grpo.env.context_env={_target_: x.Y}"])
     with pytest.raises(ValueError) as e:
-        pipeline.check_stage_overrides(c)
+        stages.check_stage_overrides(c)
     msg = str(e.value)
     assert "stages.grpo.iteratons: no such key" in msg and "did you mean iterations" in msg
     assert "stages.grpo.iterations='abc': expected an integer" in msg
@@ -159,33 +159,33 @@ def test_bad_stage_settings_are_refused_before_anything_runs():
 
 
 def test_presets_merge_and_unknown_preset_errors():
-    c = pipeline.compose_stage_config("pipeline", {"preset": "debug"})
-    d = pipeline.apply_preset(c)
+    c = stages.compose_stage_config("pipeline", {"preset": "debug"})
+    d = stages.apply_preset(c)
     assert d.stages.grpo.iterations < c.stages.grpo.iterations and d.evaluation.episodes_per_task < 50
     assert c.evaluation.episodes_per_task == 50  # the default evaluates 50 held-out init states per task
     with pytest.raises(ValueError, match="unknown pipeline preset"):
-        pipeline.apply_preset(OmegaConf.merge(c, {"preset": "nope"}))
+        stages.apply_preset(OmegaConf.merge(c, {"preset": "nope"}))
 
 
 def test_a_misspelt_preset_key_is_caught():
     """Stage configs are merged without struct mode: a preset's misspelt key would be silently ignored."""
-    c = pipeline.compose_stage_config("pipeline", {"preset": "steering"})
+    c = stages.compose_stage_config("pipeline", {"preset": "steering"})
     c.presets.steering.stages.grpo.steer = {"enabeld": True}
     with pytest.raises(ValueError, match=r"stages.grpo.steer.enabeld: no such key .* did you mean enabled"):
-        pipeline.check_stage_overrides(pipeline.apply_preset(c))
+        stages.check_stage_overrides(stages.apply_preset(c))
 
 
 def test_steering_preset_sets_the_recipe():
-    c = pipeline.apply_preset(pipeline.compose_stage_config("pipeline", {"preset": "steering"}))
+    c = stages.apply_preset(stages.compose_stage_config("pipeline", {"preset": "steering"}))
     assert c.stages.collect.rotation_noise == 0.0 and c.stages.collect.noise == 0.9
     assert c.stages.grpo.steer.enabled and c.stages.grpo.grpo.ratio == "chain"
     assert c.stages.collect.workers == 2 and c.evaluation.episodes_per_task == 50   # the rest stays the default
 
 
 def test_command_line_overrides_win_over_the_preset():
-    c = pipeline.compose_stage_config("pipeline", {"preset": "steering"})
-    assert pipeline.apply_preset(c).stages.grpo.iterations == 40            # the preset's own value
-    d = pipeline.apply_preset(c, ["preset=steering", "stages.grpo.iterations=60", "+stages.grpo.seed=1",
+    c = stages.compose_stage_config("pipeline", {"preset": "steering"})
+    assert stages.apply_preset(c).stages.grpo.iterations == 40            # the preset's own value
+    d = stages.apply_preset(c, ["preset=steering", "stages.grpo.iterations=60", "+stages.grpo.seed=1",
                                   "stages.grpo.grpo={epochs: 2}", "suite=default", "~stages.bc"], groups={"suite"})
     assert d.stages.grpo.iterations == 60 and d.stages.grpo.seed == 1 and d.preset == "steering"
     assert d.stages.grpo.grpo.epochs == 2 and d.stages.grpo.grpo.ratio == "chain"   # dict values merge, as in Hydra
@@ -223,9 +223,9 @@ def test_pipeline_main_passes_the_command_line_to_the_preset(tmp_path, monkeypat
 def test_plots_are_written(tmp_path):
     r = {"success": 0.4, "ci95": [0.3, 0.5], "per_task": {"a": {"success": 0.2, "ci95": [0.1, 0.4]},
                                                           "b": {"success": 0.6, "ci95": [0.4, 0.7]}}}
-    p = pipeline.plot_before_after(r, r, tmp_path / "ba.png")
+    p = figures.plot_before_after(r, r, tmp_path / "ba.png")
     hist = [{"iteration": 1, "success_rate": 0.3}, {"iteration": 2, "success_rate": 0.5}]
     evals = [{"iteration": 0, "success": 0.2, "ci95": [0.1, 0.3]}, {"iteration": 2, "success": 0.4, "ci95": [0.2, 0.6]}]
-    q = pipeline.plot_imagined_vs_real(hist, evals, tmp_path / "iv.png")
+    q = figures.plot_imagined_vs_real(hist, evals, tmp_path / "iv.png")
     for f in (p, q):
         assert f.is_file() and f.read_bytes()[:4] == b"\x89PNG"

@@ -58,7 +58,7 @@ def compare(runs: dict[str, dict], target: float | None = None) -> dict[str, Any
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from wmrl.run import post_train
-    from wmrl.run.pipeline import compose_stage_config
+    from wmrl.run.stages import compose_stage_config
 
     def _c(x):
         return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else (x or {})

@@ -133,7 +133,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         from omegaconf import OmegaConf
 
         from wmrl.run.machine import calibrate, estimate_pipeline, pipeline_suite
-        from wmrl.run.pipeline import apply_preset, compose_stage_config
+        from wmrl.run.stages import apply_preset, compose_stage_config
 
         torch.set_num_threads(k)
         over = OmegaConf.to_container(cfg.pipeline, resolve=True) if cfg.get("pipeline") else {}

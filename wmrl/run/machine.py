@@ -76,7 +76,7 @@ def pipeline_suite(cfg: DictConfig):
 def _stage_config(cfg: DictConfig, name: str) -> DictConfig:
     """Stage ``name``'s config as the pipeline ``cfg`` composes it: its entry point's config with the
     pipeline's ``stage_groups`` and ``stages.<name>`` merged on."""
-    from wmrl.run.pipeline import STAGE_CONFIGS, compose_stage_config
+    from wmrl.run.stages import STAGE_CONFIGS, compose_stage_config
 
     conf, groups = STAGE_CONFIGS[name]
     over = OmegaConf.to_container(cfg.stages.get(name) or {}, resolve=True)

@@ -29,256 +29,34 @@ directories to remove (it never overwrites results).
 
 from __future__ import annotations
 
-import json
 import logging
-import time
-from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 import hydra
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from wmrl.kernel.types import Start
 from wmrl.refresh import record_episodes, store_like
 from wmrl.run import machine
 from wmrl.run.common import RunContext, run_main
+from wmrl.run.figures import plot_before_after, plot_imagined_vs_real, real_curve
+from wmrl.run.stages import (
+    STAGE_CONFIGS,
+    STAGE_ORDER,
+    SettingsRefused,
+    Stages,
+    apply_preset,
+    check_stage_overrides,
+    command_line_overrides,
+    compose_stage_config,
+    module_run,
+    to_container,
+)
 
 log = logging.getLogger("wmrl.pipeline")
-
-
-# ------------------------------------------------------------------------------------------
-# Stage plumbing
-# ------------------------------------------------------------------------------------------
-
-
-def compose_stage_config(config_name: str, overrides: dict | DictConfig | None = None,
-                         groups: list[str] | None = None) -> DictConfig:
-    """Compose ``configs/<config_name>.yaml`` with Hydra (``groups``: group selections such as
-    ``"env=imagination"``), then merge ``overrides`` (a nested dict) on top."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    groups = list(groups or [])
-    if GlobalHydra.instance().is_initialized():
-        cfg = compose(config_name, overrides=groups)
-    else:
-        with initialize_config_module("configs", version_base="1.3"):
-            cfg = compose(config_name, overrides=groups)
-    OmegaConf.set_struct(cfg, False)
-    if overrides:
-        cfg = OmegaConf.merge(cfg, OmegaConf.create(_container(overrides)))
-    return cfg
-
-
-def _container(x):
-    return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
-
-
-# stage -> (its entry point: config and wmrl.run module of that name, Hydra group selections it always gets);
-# bc_rollouts is the pipeline's own
-STAGE_CONFIGS: dict[str, tuple[str, list[str]]] = {
-    "collect": ("collect", []), "bc": ("train_policy", []), "worldmodel": ("train_worldmodel", []),
-    "critic": ("train_critic", []), "grpo": ("post_train", ["env=imagination"])}
-STAGE_ORDER = ("collect", "bc", "bc_rollouts", "worldmodel", "critic", "imagination_check", "eval_before", "grpo",
-               "eval_after")
-# settings that do not change a stage's results: a resumed run may change them
-RESULT_NEUTRAL_KEYS = frozenset({"num_threads", "workers", "progress", "tensorboard", "resume"})
-
-
-def _leaves(d: dict, prefix: str = ""):
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            yield from _leaves(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
-
-
-def _type_ok(value, default) -> bool:
-    if value is None or default is None or (isinstance(value, str) and value.startswith("${")):
-        return True
-    if isinstance(default, bool):
-        return isinstance(value, bool)
-    if isinstance(default, int):
-        return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(default, float):
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return True
-
-
-class SettingsRefused(ValueError):
-    """The pipeline refused its settings before running anything (unknown preset, bad stage settings,
-    a resume that would mix results of other settings)."""
-
-
-def check_stage_overrides(cfg: DictConfig) -> int:
-    """Check every key under ``cfg.stages.<stage>`` against the stage's own composed config (its entry
-    point's, with ``cfg.stage_groups``; for ``bc_rollouts`` the pipeline config's defaults): the key must
-    exist there (below a node with ``_target_`` or a ``null`` default anything goes) and a value must have
-    the default's type (bool, int, float; ``null`` always allowed). Stage configs are merged onto the
-    entry points' configs without Hydra's struct mode, so without this check a misspelt key
-    (``+stages.grpo.iteratons=3``) would be ignored and a wrong type fail only when its stage starts.
-
-    Returns the number of keys checked. Raises :class:`SettingsRefused` (a ``ValueError``) naming every bad
-    key and what to change."""
-    import difflib
-
-    stages = OmegaConf.to_container(cfg.get("stages") or {}, resolve=False)
-    groups = cfg.get("stage_groups") or {}
-    errors: list[str] = []
-    checked = 0
-    for stage, over in stages.items():
-        if over is None:
-            continue
-        if stage == "bc_rollouts":
-            base, where = compose_stage_config("pipeline").stages.bc_rollouts, "configs/pipeline.yaml stages.bc_rollouts"
-        elif stage in STAGE_CONFIGS:
-            name, g = STAGE_CONFIGS[stage]
-            base = compose_stage_config(name, groups=g + [str(x) for x in (groups.get(stage) or [])])
-            where = f"configs/{name}.yaml"
-        else:
-            errors.append(f"stages.{stage}: no such configurable stage (stages: bc_rollouts, {', '.join(STAGE_CONFIGS)})")
-            continue
-        base = OmegaConf.to_container(base, resolve=False)
-        for key, value in _leaves(over):
-            checked += 1
-            node, parts = base, key.split(".")
-            for i, part in enumerate(parts):
-                if not isinstance(node, dict) or "_target_" in node:
-                    break                   # a free-form value or an instantiable object's kwargs
-                if part not in node:
-                    near = difflib.get_close_matches(part, [str(k) for k in node], n=3)
-                    hint = f"; did you mean {', '.join(near)}?" if near else f"; keys there: {', '.join(map(str, node))}"
-                    errors.append(f"stages.{stage}.{'.'.join(parts[:i + 1])}: no such key in the {stage} stage's "
-                                  f"config ({where}){hint}")
-                    break
-                node = node[part]
-                if i == len(parts) - 1 and not _type_ok(value, node):
-                    kind = {"bool": "true or false", "int": "an integer", "float": "a number"}[type(node).__name__]
-                    errors.append(f"stages.{stage}.{key}={value!r}: expected {kind}, like the {stage} stage's "
-                                  f"default ({node!r}, {where})")
-    if errors:
-        raise SettingsRefused("bad stage settings (nothing was run):\n  " + "\n  ".join(errors))
-    return checked
-
-
-def _stage_inputs(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """A stage's resolved config as dotted keys, paths inside the run directory written relative to it
-    (``<run_dir>/...``) and result-neutral settings left out: what a resumed stage is compared on."""
-    root = str(run_dir)
-
-    def norm(v):
-        if isinstance(v, str):
-            return v.replace(root, "<run_dir>")
-        if isinstance(v, list):
-            return [norm(x) for x in v]
-        return v
-
-    flat = dict(_leaves(OmegaConf.to_container(cfg, resolve=True)))
-    return {k: norm(v) for k, v in flat.items() if k.split(".")[-1] not in RESULT_NEUTRAL_KEYS}
-
-
-class ResumeRefused(SettingsRefused):
-    """A resumed pipeline would mix results of other settings; raised before any stage runs."""
-
-
-class Stages:
-    """Runs named stages in ``ctx.child(name)``, timing them and skipping finished ones on resume.
-
-    A finished stage (``<stage>/report.json``) is reused only when it was run with the same settings: its
-    ``stage_inputs.json`` (written when it finished) must equal this run's (:func:`_stage_inputs`).
-
-    ``order``: the stages in run order, for the up-front check and the directories an error names.
-
-    Raises :class:`ResumeRefused` (a ``ValueError``; before anything runs): a stage to reuse was run with
-    other settings, or a stage that will run has finished stages after it (their results came from the
-    old one). Every stage before the one refused is reused, so nothing new has run at that point."""
-
-    INPUTS_FILE = "stage_inputs.json"
-
-    def __init__(self, ctx: RunContext, resume: bool, order: Sequence[str] = ()):
-        self.ctx, self.resume, self.order = ctx, resume, list(order)
-        self.wall: dict[str, float] = {}
-        self.reports: dict[str, dict] = {}
-        if resume:
-            self._check_order()
-
-    def _done(self, name: str) -> bool:
-        return (self.ctx.out_dir / name / "report.json").is_file()
-
-    def _finished_after(self, name: str) -> list[str]:
-        """Stages after ``name`` in ``order`` that have results."""
-        i = self.order.index(name) if name in self.order else len(self.order)
-        return [m for m in self.order[i + 1:] if self._done(m)]
-
-    def _check_order(self) -> None:
-        for name in self.order:
-            if not self._done(name):
-                later = self._finished_after(name)
-                if later:
-                    d = self.ctx.out_dir
-                    raise ResumeRefused(
-                        f"stage {name} has no results in {d} but the later stage(s) {', '.join(later)} do: they came "
-                        f"from an earlier {name}. Remove them to rerun from {name} "
-                        f"(rm -r {' '.join(str(d / m) for m in later)}), or start a new run directory "
-                        f"(hydra.run.dir=...)")
-                return
-
-    def _check_same_inputs(self, name: str, cfg: DictConfig) -> None:
-        f = self.ctx.out_dir / name / self.INPUTS_FILE
-        if not f.is_file():
-            log.warning("stage %s: no %s (run by an older wmrl): reusing it without comparing its settings", name,
-                        self.INPUTS_FILE)
-            return
-        old = json.loads(f.read_text())
-        new = json.loads(json.dumps(_stage_inputs(cfg, self.ctx.out_dir)))
-        diff = [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in sorted(set(old) | set(new))
-                if old.get(k, "<unset>") != new.get(k, "<unset>")]
-        if diff:
-            d = self.ctx.out_dir
-            again = [name] + self._finished_after(name)
-            shown = "; ".join(diff[:8]) + (f"; ... ({len(diff)} in all)" if len(diff) > 8 else "")
-            raise ResumeRefused(
-                f"stage {name} in {d} was run with other settings ({shown}); it is not rerun over its results. "
-                f"To rerun it with these settings remove it and the stages after it "
-                f"(rm -r {' '.join(str(d / m) for m in again)}), or start a new run directory (hydra.run.dir=...), "
-                f"or rerun every stage here (resume=false)")
-
-    def run(self, name: str, cfg: DictConfig, fn) -> dict:
-        rp = self.ctx.out_dir / name / "report.json"
-        if self.resume and rp.is_file():
-            self._check_same_inputs(name, cfg)
-            rep = json.loads(rp.read_text())
-            log.info("stage %s: done before, reusing %s", name, rp)
-            self.wall[name] = float(rep.get("wall_time_s", 0.0))
-        else:
-            t0 = time.time()
-            log.info("stage %s ...", name)
-            sub = self.ctx.child(name, cfg)
-            rep = fn(cfg, sub)
-            rep = dict(rep)
-            rep["wall_time_s"] = round(time.time() - t0, 3)
-            sub.finish(rep)
-            (sub.out_dir / self.INPUTS_FILE).write_text(json.dumps(_stage_inputs(cfg, self.ctx.out_dir), indent=1))
-            rep = json.loads(rp.read_text())
-            self.wall[name] = rep["wall_time_s"]
-            log.info("stage %s: %.1f s", name, self.wall[name])
-        self.reports[name] = rep
-        return rep
-
-
-def _module_run(module: str):
-    import importlib
-
-    try:
-        mod = importlib.import_module(f"wmrl.run.{module}")
-    except ModuleNotFoundError as e:
-        if e.name == f"wmrl.run.{module}":
-            raise RuntimeError(f"pipeline stage needs wmrl.run.{module}, which is not in this version") from None
-        raise
-    return mod.run
 
 
 # ------------------------------------------------------------------------------------------
@@ -305,132 +83,14 @@ def merge_stores(sources: list[Path], dest: Path, source: str = "pipeline") -> d
 # ------------------------------------------------------------------------------------------
 
 
-def plot_before_after(before: dict, after: dict, path: Path, title: str = "") -> Path:
-    """Grouped bars of per-task success before / after with Wilson 95 % CI error bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tasks = list(before["per_task"])
-    x = np.arange(len(tasks) + 1)
-    fig, ax = plt.subplots(figsize=(1.8 * len(x) + 2, 3.6))
-    for off, (lab, r, col) in zip((-0.2, 0.2), (("before (BC)", before, "#999999"), ("after GRPO in imagination", after, "#2a7ab9"))):
-        vals = [r["per_task"][t]["success"] for t in tasks] + [r["success"]]
-        cis = [r["per_task"][t]["ci95"] for t in tasks] + [r["ci95"]]
-        err = np.array([[v - c[0] for v, c in zip(vals, cis)], [c[1] - v for v, c in zip(vals, cis)]])
-        ax.bar(x + off, vals, 0.4, yerr=np.clip(err, 0, None), capsize=3, label=lab, color=col)
-    ax.set_xticks(x, tasks + ["mean"], rotation=15)
-    ax.set_ylim(0, 1.05)
-    ax.set_ylabel("real-sim success (held-out init states)")
-    ax.set_title(title or "success before / after, 95 % Wilson CI")
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_imagined_vs_real(history: list[dict], evals: list[dict], path: Path) -> Path:
-    """Imagined success per GRPO iteration against periodic real-sim success (and, with a world model
-    in the loop, the real success of each refresh's rollouts)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    if history:
-        ax.plot([h["iteration"] for h in history], [h["success_rate"] for h in history], "-o", ms=3,
-                label="imagined success (training rollouts)")
-    if evals:
-        it = [e["iteration"] for e in evals]
-        s = [e["success"] for e in evals]
-        lo = [e["success"] - e["ci95"][0] for e in evals]
-        hi = [e["ci95"][1] - e["success"] for e in evals]
-        ax.errorbar(it, s, yerr=[lo, hi], fmt="-s", capsize=3, label="real-sim success (held-out)")
-    refresh = [h for h in history if "refresh/real_success" in h]
-    if refresh:
-        ax.plot([h["iteration"] for h in refresh], [h["refresh/real_success"] for h in refresh], "^", ms=6,
-                label="real-sim success of the refresh rollouts (train init states, RL sampler)")
-    ax.set_xlabel("GRPO iteration")
-    ax.set_ylabel("success")
-    ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-# ------------------------------------------------------------------------------------------
-# run
-# ------------------------------------------------------------------------------------------
-
-
-def real_curve(grpo_report: dict, before: dict, after: dict) -> list[dict]:
-    """Real-sim success over GRPO iterations: the pipeline's before / after evaluations (held-out,
-    ``episodes_per_task`` each) at iteration 0 and the last, plus GRPO's own periodic evaluations."""
-    n = int(grpo_report.get("iterations") or 0)
-    pts = {0: {"iteration": 0, "success": before["success"], "ci95": before["ci95"]},
-           n: {"iteration": n, "success": after["success"], "ci95": after["ci95"]}}
-    for e in grpo_report.get("evals", []):
-        pts.setdefault(int(e["iteration"]), {k: e[k] for k in ("iteration", "success", "ci95")})
-    return [pts[k] for k in sorted(pts)]
-
-
-def command_line_overrides() -> tuple[list[str], set[str]]:
-    """The running Hydra app's command-line overrides (``key=value`` strings, ``hydra.*`` excluded) and
-    the names of its config groups; ``([], set())`` outside a Hydra app (tests, ``compose``)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return [], set()
-    hc = HydraConfig.get()
-    return list(hc.overrides.task), set(hc.runtime.choices.keys())
-
-
-def apply_preset(cfg: DictConfig, overrides: Sequence[str] = (), groups: Collection[str] = ()) -> DictConfig:
-    """Merge ``cfg.presets[cfg.preset]`` onto ``cfg`` (no-op for ``preset=null``), then re-apply the
-    command line's value overrides so that they win over the preset, as over any config value:
-    ``wmrl pipeline preset=steering stages.grpo.iterations=60`` runs 60 iterations, not the preset's 40.
-
-    Args:
-        overrides: Hydra override strings (``key=value``, ``+key=value``, ``++key=value``), e.g.
-            :func:`command_line_overrides`; deletions (``~key``) and config group selections are
-            skipped (the groups were chosen when the config was composed).
-        groups: config group names (``suite``, ...), whose overrides are selections, not values.
-
-    Raises: :class:`SettingsRefused` (a ``ValueError``) for an unknown preset name."""
-    name = cfg.get("preset")
-    if not name:
-        return cfg
-    presets = cfg.get("presets") or {}
-    if name not in presets:
-        raise SettingsRefused(f"unknown pipeline preset {name!r}; known: {sorted(presets)}")
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))  # not struct: presets may add keys
-    merged = OmegaConf.merge(cfg, presets[name])
-    if overrides:
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        for o in OverridesParser.create().parse_overrides(list(overrides)):
-            key = o.key_or_group
-            if o.is_delete() or key in groups or key == "preset" or key.startswith("hydra."):
-                continue
-            OmegaConf.update(merged, key, o.value(), merge=True, force_add=True)  # as Hydra applies it
-    with open_dict(merged):
-        merged.preset = name
-    return merged
-
-
 def _eval_policy(policy_path: Path, cfg: DictConfig, tasks: dict, suite, out_dir: Path | None, videos: int) -> dict:
     from functools import partial
 
     from wmrl.run.evaluate import build_actor, build_suite
     from wmrl.run.post_train import evaluate_real
 
-    suite_cfg = _container(cfg.suite)
-    sampler_cfg = _container(cfg.eval_sampler) if cfg.get("eval_sampler") else None
+    suite_cfg = to_container(cfg.suite)
+    sampler_cfg = to_container(cfg.eval_sampler) if cfg.get("eval_sampler") else None
     make_actor = partial(build_actor, str(policy_path), 0.0, suite_cfg, str(cfg.device), sampler_cfg)
     r = evaluate_real(make_actor(), tasks, int(cfg.evaluation.episodes_per_task), int(cfg.evaluation.num_envs),
                       int(cfg.seed), suite=suite, out_dir=out_dir, videos_per_task=videos, progress=True,
@@ -465,7 +125,7 @@ def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: di
                                   split="train", seed=int(c.seed))(0)
     sim_env = make_sim_env(int(c.num_envs), suite=suite)        # renders the context frames, then replays
     starts = ContextStarts(None, sim_env).contextualize(starts)
-    kw = _container(gcfg.env.get("imagination")) or {}
+    kw = to_container(gcfg.env.get("imagination")) or {}
     imag = make_imagination_env(str(gcfg.env.world_model), str(gcfg.env.critic), len(starts) * g, seed=int(c.seed),
                                 device=str(c.device), **kw)
     r = replay_check(imag, sim_env, policy, starts, g, int(gcfg.grpo.max_chunks),
@@ -512,7 +172,7 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
     (ctx.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
     from wmrl.run.post_train import make_sim_env
 
-    suite_cfg = _container(cfg.suite)
+    suite_cfg = to_container(cfg.suite)
     suite_cfg["tasks"] = list(cfg.tasks)
     suite = hydra.utils.instantiate(suite_cfg)
     tasks = {t: suite.instruction(t) for t in suite.task_names}
@@ -534,16 +194,16 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
         return compose_stage_config(name, overrides, groups=always + [str(x) for x in (G.get(stage) or [])])
 
     def entry(stage: str):   # the run() of the entry point whose config stage_config composed
-        return _module_run(STAGE_CONFIGS[stage][0])
+        return module_run(STAGE_CONFIGS[stage][0])
 
     # 1. noisy scripted demos
     demos = out / "collect" / "demos.zarr"
-    c = stage_config("collect", {**common, **_container(S.collect), "suite": suite_cfg, "tasks": task_list,
+    c = stage_config("collect", {**common, **to_container(S.collect), "suite": suite_cfg, "tasks": task_list,
                                  "out": str(demos)})
     stages.run("collect", c, entry("collect"))
 
     # 2. behaviour cloning
-    c = stage_config("bc", {**common, **_container(S.bc), "store": str(demos)})
+    c = stage_config("bc", {**common, **to_container(S.bc), "store": str(demos)})
     stages.run("bc", c, entry("bc"))
     bc_ckpt = out / "bc" / "checkpoints" / "last"
 
@@ -573,13 +233,13 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
         succ = {t: float(np.mean([e.success for e in eps if e.task_name == t])) for t in task_list}
         return {"episodes": len(eps), "success_per_task": succ, "store": str(rollouts), "mixed_store": str(mixed)}
 
-    stages.run("bc_rollouts", OmegaConf.create({**common, **_container(S.bc_rollouts)}), _bc_rollouts)
+    stages.run("bc_rollouts", OmegaConf.create({**common, **to_container(S.bc_rollouts)}), _bc_rollouts)
 
     # 4. world model + critic on demos + rollouts
-    c = stage_config("worldmodel", {**common, **_container(S.worldmodel), "store": str(mixed)})
+    c = stage_config("worldmodel", {**common, **to_container(S.worldmodel), "store": str(mixed)})
     wm_rep = stages.run("worldmodel", c, entry("worldmodel"))
     wm_ckpt = out / "worldmodel" / "checkpoints" / "last"
-    critic_over = _container(S.critic) or {}
+    critic_over = to_container(S.critic) or {}
     critic_over["imagined"] = {**(critic_over.get("imagined") or {}), "world_model": str(wm_ckpt)}
     c = stage_config("critic", {**common, **critic_over, "store": str(mixed)})
     stages.run("critic", c, entry("critic"))
@@ -588,21 +248,21 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
     # 5-8. imagination check, real-sim evaluation before, GRPO in imagination, evaluation after
     gcfg = stage_config(
         "grpo",
-        {**common, **_container(S.grpo), "checkpoint": str(bc_ckpt), "tasks": task_list, "suite": suite_cfg,
-         "starts": {**(_container(S.grpo.get("starts", {})) or {}), "store": str(mixed)},   # keyframes: demos + rollouts
-         "refresh": {**(_container(S.grpo.get("refresh", {})) or {}), "store": str(mixed)},  # replay: the world model's data
-         "env": {**_container(S.grpo.get("env", {}) or {}), "world_model": str(wm_ckpt), "critic": str(critic_ckpt)}})
+        {**common, **to_container(S.grpo), "checkpoint": str(bc_ckpt), "tasks": task_list, "suite": suite_cfg,
+         "starts": {**(to_container(S.grpo.get("starts", {})) or {}), "store": str(mixed)},   # keyframes: demos + rollouts
+         "refresh": {**(to_container(S.grpo.get("refresh", {})) or {}), "store": str(mixed)},  # replay: the world model's data
+         "env": {**to_container(S.grpo.get("env", {}) or {}), "world_model": str(wm_ckpt), "critic": str(critic_ckpt)}})
     fid = None
     if check_fidelity:   # its config also holds what it takes from GRPO's (compared when the stage is reused)
         used = {"rl_sampler": gcfg.get("rl_sampler"), "steer": gcfg.get("steer"), "group_size": gcfg.grpo.group_size,
                 "max_chunks": gcfg.grpo.max_chunks, "n_init": gcfg.starts.get("n_init"),
                 "env": {k: gcfg.env.get(k) for k in ("world_model", "critic", "imagination")}}
         fid = stages.run("imagination_check",
-                         OmegaConf.create({**common, **_container(cfg.imagination_check), "grpo": _container(used)}),
+                         OmegaConf.create({**common, **to_container(cfg.imagination_check), "grpo": to_container(used)}),
                          lambda c_, x_: _imagination_check(c_, gcfg, bc_ckpt, tasks, suite))
     nv = int(cfg.videos.per_task)
-    ev = {**common, "suite": suite_cfg, "tasks": task_list, "evaluation": _container(cfg.evaluation),
-          "eval_sampler": _container(cfg.get("eval_sampler")), "videos_per_task": nv}
+    ev = {**common, "suite": suite_cfg, "tasks": task_list, "evaluation": to_container(cfg.evaluation),
+          "eval_sampler": to_container(cfg.get("eval_sampler")), "videos_per_task": nv}
     before = stages.run("eval_before", OmegaConf.create({**ev, "checkpoint": str(bc_ckpt)}),
                         lambda c_, x_: _eval_policy(bc_ckpt, cfg, tasks, suite, x_.out_dir, nv))
     grep = stages.run("grpo", gcfg, entry("grpo"))

@@ -4,7 +4,7 @@ Import/export of robomimic ``demo.hdf5`` and LeRobotDataset v3 live in ``wmrl.ke
 and ``wmrl.kernel.storage.lerobot_io``.
 """
 
-from wmrl.kernel.storage.dataset import WindowDataset, masked_mean, masked_mse
+from wmrl.kernel.storage.dataset import WindowDataset, masked_mse
 from wmrl.kernel.storage.episode_store import (
     FORMAT_VERSION,
     EpisodeStore,
@@ -30,7 +30,6 @@ __all__ = [
     "StoreExistsError",
     "StoreFormatError",
     "WindowDataset",
-    "masked_mean",
     "masked_mse",
     "window_indices",
 ]

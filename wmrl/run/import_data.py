@@ -81,12 +81,11 @@ def write_store(out: Path, episodes, store_kwargs: dict, overwrite: bool) -> tup
         FileExistsError: ``out`` appeared while we worked and ``overwrite`` is false.
         StoreError, EpisodeValidationError: from the store (bad metadata, an episode that does not fit).
     """
-    from wmrl.kernel.leftovers import temp_sibling
     from wmrl.kernel.storage import EpisodeStore
+    from wmrl.kernel.storage.store_writer import building_folder
 
-    tmp = temp_sibling(out, "partial")
     lengths, t_write = [], 0.0
-    try:
+    with building_folder(out, "partial") as tmp:
         store = EpisodeStore.create(tmp, **store_kwargs)
         for ep in episodes:
             t0 = time.time()
@@ -98,9 +97,6 @@ def write_store(out: Path, episodes, store_kwargs: dict, overwrite: bool) -> tup
                 raise FileExistsError(f"{out} appeared during the import; nothing was written to it")
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return lengths, t_write
 
 

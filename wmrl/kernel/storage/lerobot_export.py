@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 
-from wmrl.kernel.leftovers import temp_sibling
 from wmrl.kernel.storage.lerobot_schema import (
     IMAGE_PREFIX,
     WMRL_META,
@@ -24,6 +23,7 @@ from wmrl.kernel.storage.lerobot_schema import (
     LeRobotFormatError,
     lerobot_features,
 )
+from wmrl.kernel.storage.store_writer import building_folder
 from wmrl.kernel.types import Episode
 
 __all__ = ["export_lerobot"]
@@ -60,13 +60,13 @@ def export_lerobot(store, out: str | os.PathLike, repo_id: str = "local/wmrl", o
     first = store.episode(idx[0], images=False)
     sim_dim = None if first.sim_states is None else int(first.sim_states.shape[1])
     features = lerobot_features(meta, sim_dim)
-    tmp = temp_sibling(out, "partial")
-    lengths = store.lengths
-    total = int(sum(int(lengths[i]) for i in idx))
-    fps = float(meta["fps"])
-    if abs(fps - round(fps)) > 1e-9:
-        raise LeRobotFormatError(out, f"the store's fps={fps} is not an integer; LeRobotDataset stores integer fps")
-    try:
+    with building_folder(out, "partial") as tmp:
+        lengths = store.lengths
+        total = int(sum(int(lengths[i]) for i in idx))
+        fps = float(meta["fps"])
+        if abs(fps - round(fps)) > 1e-9:
+            raise LeRobotFormatError(out, f"the store's fps={fps} is not an integer; LeRobotDataset stores "
+                                          "integer fps")
         ds = LeRobotDataset.create(repo_id=repo_id, fps=round(fps), features=features,
                                    root=tmp, robot_type=str(meta.get("embodiment") or "unknown"),
                                    use_videos=False, video_backend="pyav")
@@ -78,9 +78,6 @@ def export_lerobot(store, out: str | os.PathLike, repo_id: str = "local/wmrl", o
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return {"episodes": len(idx), "frames": total, "lengths": [int(lengths[i]) for i in idx],
             "features": sorted(features), "path": str(out)}
 

@@ -16,6 +16,7 @@ import fcntl
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +92,20 @@ def _rename_new(tmp: Path, path: Path) -> None:
 
 
 
+@contextlib.contextmanager
+def building_folder(target: Path, kind: str) -> Iterator[Path]:
+    """Yield the hidden sibling ``.<name>.<kind>-<pid>-<thread>`` of ``target`` to build it in
+    (:func:`wmrl.kernel.leftovers.temp_sibling`: leftovers of dead writers are removed first, the
+    folder itself does not exist yet) and remove what is left of it on exit: all of it after an
+    error, nothing once the caller has renamed it into place. Errors of the body pass through."""
+    tmp = temp_sibling(target, kind)
+    try:
+        yield tmp
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _create_store_folder(path: Path, meta: dict, overwrite: bool, durable: bool) -> None:
     """Build an empty store with metadata ``meta`` in a hidden sibling of ``path`` and rename it to
     ``path`` (replacing an existing one when ``overwrite``); see :meth:`EpisodeStore.create`.
@@ -100,8 +115,7 @@ def _create_store_folder(path: Path, meta: dict, overwrite: bool, durable: bool)
     """
     if path.exists() and not overwrite:
         raise _exists_error(path)
-    tmp = temp_sibling(path, "creating")
-    try:
+    with building_folder(path, "creating") as tmp:
         root = zarr.open_group(str(tmp), mode="w", zarr_format=3)
         root.create_group("episodes")
         root.attrs[_META_ATTR] = meta
@@ -113,9 +127,6 @@ def _create_store_folder(path: Path, meta: dict, overwrite: bool, durable: bool)
         _rename_new(tmp, path)
         if durable:
             _fsync_dir(path.parent)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_episode_group(root: zarr.Group, meta: dict, group_path: str, ep: Episode) -> None:

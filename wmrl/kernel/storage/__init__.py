@@ -1,10 +1,18 @@
 """Episode storage: the zarr v3 :class:`EpisodeStore`, normalisation statistics, training windows.
 
+Modules: ``episode_store.py`` (the store class) with ``store_layout.py`` (format, metadata schema,
+index file, window indices), ``store_validation.py`` (episode checks) and ``store_writer.py``
+(crash-safe writes); ``dataset.py`` (windows as a torch Dataset, masked loss); ``normalize.py``;
+``errors.py`` (every exception class).
+
 Import/export of robomimic ``demo.hdf5`` and LeRobotDataset v3 live in ``wmrl.kernel.storage.robomimic``
-and ``wmrl.kernel.storage.lerobot_io``.
+(conversion; inspection in ``robomimic_inspect.py``, MJCF repair in ``robomimic_mjcf.py``) and
+``wmrl.kernel.storage.lerobot_io`` (import; export in ``lerobot_export.py``, shared schema in
+``lerobot_schema.py``). Those modules import ``lerobot`` / ``h5py`` / ``mujoco`` lazily and are not
+imported here.
 """
 
-from wmrl.kernel.storage.dataset import WindowDataset, masked_mean, masked_mse
+from wmrl.kernel.storage.dataset import WindowDataset, masked_mse
 from wmrl.kernel.storage.episode_store import (
     FORMAT_VERSION,
     EpisodeStore,
@@ -30,7 +38,6 @@ __all__ = [
     "StoreExistsError",
     "StoreFormatError",
     "WindowDataset",
-    "masked_mean",
     "masked_mse",
     "window_indices",
 ]

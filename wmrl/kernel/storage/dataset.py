@@ -27,7 +27,7 @@ key                 dtype / shape               meaning
 ``length``          int64                       ``T``
 ==================  ==========================  ==================================================
 
-Use :func:`masked_mse` (or :func:`masked_mean`) with ``action_pad`` so that padded targets do not
+Use :func:`masked_mse` with ``action_pad`` (True = padded) so that padded targets do not
 enter a loss (Diffusion Policy and LeRobot train with the same ``action_is_pad`` mask).
 """
 
@@ -181,8 +181,10 @@ class WindowDataset(Dataset):
         return self.get_batch(ks.numpy())
 
 
-def masked_mean(values: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` over entries whose ``pad_mask`` is False.
+def _mean_over_unpadded(values: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over entries whose ``pad_mask`` is False (the loss reduction of
+    :func:`masked_mse`; not to be confused with ``masked_mean`` of the RL losses, whose mask is
+    True = keep).
 
     Args:
         values: ``(B, H, ...)`` per-element losses; must be finite where not padded.
@@ -190,6 +192,9 @@ def masked_mean(values: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
 
     Returns a scalar; 0 when every entry is padded. Padded entries do not enter the value or the
     gradient, even when they are inf or NaN.
+
+    Raises:
+        ValueError: ``pad_mask`` is not bool or its shape is not a prefix of ``values.shape``.
     """
     valid = _expand_valid(pad_mask, values)
     v = torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
@@ -206,13 +211,16 @@ def masked_mse(pred: torch.Tensor, target: torch.Tensor, pad_mask: torch.Tensor)
             (``action_pad`` / ``future_pad`` of a window).
 
     Padded targets are replaced by ``pred.detach()`` before the difference, so their value (1e6,
-    inf, NaN) changes neither the loss nor the gradient.
+    inf, NaN) changes neither the loss nor the gradient. Returns a scalar of ``pred.dtype``.
+
+    Raises:
+        ValueError: ``pred`` and ``target`` differ in shape, or ``pad_mask`` is not a bool prefix.
     """
     if pred.shape != target.shape:
         raise ValueError(f"pred {tuple(pred.shape)} and target {tuple(target.shape)} differ in shape")
     valid = _expand_valid(pad_mask, pred)
     target = torch.where(valid, target, pred.detach())
-    return masked_mean((pred - target) ** 2, pad_mask)
+    return _mean_over_unpadded((pred - target) ** 2, pad_mask)
 
 
 def _expand_valid(pad_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

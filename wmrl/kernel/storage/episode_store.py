@@ -23,16 +23,15 @@ of readers may open it meanwhile (call :meth:`EpisodeStore.refresh` to see newer
 store is built in a hidden sibling ``.<name>.creating-<pid>-<thread>`` and renamed to ``PATH`` when complete,
 so ``PATH`` is a whole store or absent, and processes (or threads) racing
 :meth:`EpisodeStore.open_or_create` on one new path end with one store that they all append to.
+
+The pieces live in sibling modules: ``store_layout.py`` (format constants, metadata schema, index
+file, :func:`window_indices`), ``store_validation.py`` (episode checks before a write) and
+``store_writer.py`` (fsync, atomic index replacement, new store folders, episode groups, append lock).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import errno
-import fcntl
 import json
-import math
 import os
 import shutil
 from collections.abc import Mapping
@@ -40,58 +39,37 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import torch
 import zarr
-from zarr.codecs import ZstdCodec
 
-from wmrl.kernel.leftovers import temp_sibling
 from wmrl.kernel.storage.errors import (
-    EpisodeValidationError,
+    EpisodeValidationError,  # noqa: F401 - re-exported: raised by validate / append
     StoreError,
     StoreExistsError,
     StoreFormatError,
 )
 from wmrl.kernel.storage.normalize import NormStats
+from wmrl.kernel.storage.store_layout import (
+    _META_ATTR,
+    FORMAT_VERSION,
+    SUPPORTED_FORMAT_VERSIONS,
+    _check_meta,
+    _episode_name,
+    _read_index,
+    _store_meta,
+    window_indices,
+)
+from wmrl.kernel.storage.store_validation import _coerce_episode, _validate_episode
+from wmrl.kernel.storage.store_writer import (
+    _append_lock,
+    _clean_orphans,
+    _create_store_folder,
+    _fsync_tree,
+    _write_episode_group,
+    _write_index,
+)
 from wmrl.kernel.types import ActionSpace, Episode
 
-FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = (1,)
-INDEX_FILE = "index.json"
-LOCK_FILE = ".append.lock"
-_META_ATTR = "wmrl"
-_IMAGE_CHUNK_BYTES = 1 << 20
-
-
-def _episode_name(i: int) -> str:
-    return f"ep_{i:06d}"
-
-
-def _first_bad_step(x: np.ndarray) -> int:
-    bad = ~np.isfinite(x)
-    return int(np.argwhere(bad)[0][0])
-
-
-def _fsync_tree(path: Path) -> None:
-    """fsync every file and folder under ``path`` (data on disk before the index names it)."""
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            fd = os.open(os.path.join(root, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(root))
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+__all__ = ["EpisodeStore", "FORMAT_VERSION", "SUPPORTED_FORMAT_VERSIONS", "window_indices"]
 
 
 class EpisodeStore:
@@ -120,19 +98,7 @@ class EpisodeStore:
         self.mode = mode
         self.durable = bool(durable)
         self._root = zarr.open_group(str(self.path), mode="r" if mode == "r" else "r+")
-        meta = self._root.attrs.get(_META_ATTR)
-        if not isinstance(meta, dict):
-            raise StoreFormatError(f"{self.path} is a zarr group but not an EpisodeStore "
-                                   f"(no {_META_ATTR!r} attribute in zarr.json)")
-        version = meta.get("format_version")
-        if version not in SUPPORTED_FORMAT_VERSIONS:
-            raise StoreFormatError(
-                f"{self.path}: unknown EpisodeStore format_version {version!r}; this wmrl reads "
-                f"versions {list(SUPPORTED_FORMAT_VERSIONS)}. Upgrade wmrl or re-import the data.")
-        for key in ("cameras", "state_dim", "action_dim", "fps", "action_space"):
-            if key not in meta:
-                raise StoreFormatError(f"{self.path}: store metadata lacks {key!r} (corrupt zarr.json)")
-        self._meta = meta
+        self._meta = _check_meta(self.path, self._root.attrs.get(_META_ATTR))
         self._index: list[dict] = []
         self.refresh()
 
@@ -169,24 +135,7 @@ class EpisodeStore:
         """
         path = Path(path)
         meta = _store_meta(cameras, state_dim, action_dim, fps, action_space, embodiment, source, info)
-        if path.exists() and not overwrite:
-            raise _exists_error(path)
-        tmp = temp_sibling(path, "creating")
-        try:
-            root = zarr.open_group(str(tmp), mode="w", zarr_format=3)
-            root.create_group("episodes")
-            root.attrs[_META_ATTR] = meta
-            _write_index(tmp, [], durable=durable)
-            if durable:
-                _fsync_tree(tmp)
-            if overwrite and (path.exists() or path.is_symlink()):
-                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-            _rename_new(tmp, path)
-            if durable:
-                _fsync_dir(path.parent)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+        _create_store_folder(path, meta, overwrite, durable)
         return cls(path, "a", _OPEN_TOKEN, durable=durable)
 
     @classmethod
@@ -306,7 +255,7 @@ class EpisodeStore:
             raise StoreError(f"{self.path} is open read-only; use EpisodeStore.open(path, mode='a') to append")
         episode = _coerce_episode(episode)
         _validate_episode(episode, self._meta, len(self._index))
-        with self._append_lock():
+        with _append_lock(self.path):
             index = _read_index(self.path)
             i = len(index)
             name = _episode_name(i)
@@ -314,7 +263,7 @@ class EpisodeStore:
             if ep_dir.exists():  # orphan of a killed append: never indexed, nobody reads it
                 shutil.rmtree(ep_dir)
             try:
-                self._write_episode_group(f"episodes/{name}", episode)
+                _write_episode_group(self._root, self._meta, f"episodes/{name}", episode)
                 if self.durable:
                     _fsync_tree(ep_dir)
             except BaseException:  # e.g. disk full or KeyboardInterrupt: drop the uncommitted group
@@ -329,55 +278,8 @@ class EpisodeStore:
             }
             _write_index(self.path, index + [entry], durable=self.durable)
             self._index = index + [entry]
-            self._clean_orphans()
+            _clean_orphans(self.path, {e["name"] for e in self._index})
         return i
-
-    def _write_episode_group(self, group_path: str, ep: Episode) -> None:
-        T = ep.length
-        # attributes go in with the group: one zarr.json write instead of one per key
-        g = self._root.create_group(group_path, attributes={
-            "success": bool(ep.success),
-            "instruction": str(ep.instruction),
-            "task_name": str(ep.task_name),
-            "info": ep.info or {},
-            "length": int(T),
-            "extras": sorted(ep.extras or {}),
-            "has_sim_states": ep.sim_states is not None,
-        })
-        img_comp = [ZstdCodec(level=1)]
-        if self._meta["cameras"]:
-            ig = g.create_group("images")
-            for cam, (h, w) in self._meta["cameras"].items():
-                tc = max(1, min(T, _IMAGE_CHUNK_BYTES // (3 * h * w)))
-                ig.create_array(cam, data=np.ascontiguousarray(ep.images[cam]), chunks=(tc, 3, h, w),
-                                compressors=img_comp)
-        g.create_array("proprio", data=np.asarray(ep.proprio, dtype=np.float32).reshape(T, self.state_dim))
-        g.create_array("actions", data=np.asarray(ep.actions, dtype=np.float32))
-        g.create_array("rewards", data=np.asarray(ep.rewards, dtype=np.float32).reshape(T))
-        if ep.sim_states is not None:
-            g.create_array("sim_states", data=np.asarray(ep.sim_states, dtype=np.float64))
-        if ep.extras:
-            xg = g.create_group("extras")
-            for k, v in ep.extras.items():
-                xg.create_array(k, data=np.ascontiguousarray(np.asarray(v)))
-
-    def _clean_orphans(self) -> None:
-        names = {e["name"] for e in self._index}
-        ep_root = self.path / "episodes"
-        for p in ep_root.iterdir():
-            if p.is_dir() and p.name.startswith("ep_") and p.name not in names:
-                shutil.rmtree(p, ignore_errors=True)
-        for p in self.path.glob(f".{INDEX_FILE}.tmp-*"):  # temp index of a writer killed mid-commit
-            p.unlink(missing_ok=True)
-
-    @contextlib.contextmanager
-    def _append_lock(self):
-        with open(self.path / LOCK_FILE, "a+") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
     # ------------------------------------------------------------------ reading
     def _check_index(self, i: int) -> int:
@@ -481,221 +383,3 @@ class EpisodeStore:
 
 
 _OPEN_TOKEN = object()
-
-
-def _store_meta(cameras: Mapping[str, tuple[int, int]], state_dim: int, action_dim: int, fps: float,
-                action_space: ActionSpace | Mapping, embodiment: str, source: str, info: Mapping | None) -> dict:
-    """The metadata of a new store (see :class:`EpisodeStore`), checked; :class:`StoreError` names the
-    first inconsistent argument."""
-    if isinstance(action_space, Mapping):
-        action_space = ActionSpace.from_dict(dict(action_space))
-    if int(action_space.dim) != int(action_dim):
-        raise StoreError(f"action_dim={action_dim} but action_space.dim={action_space.dim}; "
-                         "make them equal")
-    if int(state_dim) < 0 or int(action_dim) <= 0:
-        raise StoreError(f"need state_dim >= 0 and action_dim > 0, got {state_dim}, {action_dim}")
-    if not (math.isfinite(float(fps)) and float(fps) > 0):
-        raise StoreError(f"fps must be a positive number, got {fps!r}")
-    cams: dict[str, list[int]] = {}
-    for name, hw in dict(cameras).items():
-        hw = [int(v) for v in hw]
-        if len(hw) != 2 or min(hw) <= 0 or "/" in name or not name:
-            raise StoreError(f"camera {name!r}: expected a name without '/' and (Hi, Wi) > 0, got {hw}")
-        cams[str(name)] = hw
-    if info is not None:
-        try:
-            json.dumps(dict(info))
-        except TypeError as e:
-            raise StoreError(f"store info is not JSON-serialisable: {e}") from None
-    return {
-        "format_version": FORMAT_VERSION,
-        "cameras": cams,
-        "state_dim": int(state_dim),
-        "action_dim": int(action_dim),
-        "fps": float(fps),
-        "action_space": action_space.to_dict(),
-        "embodiment": str(embodiment),
-        "source": str(source),
-        "info": dict(info or {}),
-    }
-
-
-def _exists_error(path: Path) -> StoreExistsError:
-    return StoreExistsError(f"{path} already exists; pass overwrite=True to replace it or "
-                            "EpisodeStore.open(path, mode='a') to append to it")
-
-
-def _rename_new(tmp: Path, path: Path) -> None:
-    """Rename the finished folder ``tmp`` to ``path``; :class:`StoreExistsError` when ``path`` is
-    taken (by a process that created it first), other ``OSError`` s unchanged."""
-    try:
-        os.rename(tmp, path)
-    except OSError as e:
-        if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
-            raise _exists_error(path) from None
-        raise
-
-
-def window_indices(T: int, t: int, n_obs: int, horizon: int, n_future: int = 0):
-    """Index arrays of one window in an episode of ``T`` steps at step ``t``.
-
-    Returns ``(obs_idx, obs_pad, act_idx, act_pad, fut_idx, fut_pad)``: ``obs_idx int64 (n_obs,)``
-    = ``t-n_obs+1 .. t`` clipped at 0 (padding repeats step 0, ``obs_pad`` True there);
-    ``act_idx (horizon,)`` = ``t .. t+horizon-1`` clipped at ``T-1`` (padding repeats the last
-    action, ``act_pad`` True there); ``fut_idx (n_future,)`` = ``t+1 .. t+n_future`` clipped at
-    ``T-1`` (``fut_pad`` True past the episode's last observation).
-    """
-    if n_obs < 1 or horizon < 1 or n_future < 0:
-        raise ValueError(f"need n_obs >= 1, horizon >= 1, n_future >= 0; got {n_obs}, {horizon}, {n_future}")
-    o = t + np.arange(-n_obs + 1, 1, dtype=np.int64)
-    a = t + np.arange(horizon, dtype=np.int64)
-    f = t + np.arange(1, n_future + 1, dtype=np.int64)
-    return (np.maximum(o, 0), o < 0, np.minimum(a, T - 1), a >= T, np.minimum(f, T - 1), f >= T)
-
-
-# ---------------------------------------------------------------------- index file
-def _read_index(path: Path) -> list[dict]:
-    p = path / INDEX_FILE
-    if not p.is_file():
-        raise StoreFormatError(f"{path}: missing {INDEX_FILE}; not an EpisodeStore or a corrupt one")
-    try:
-        d = json.loads(p.read_text())
-        if d.get("format_version") not in SUPPORTED_FORMAT_VERSIONS:
-            raise StoreFormatError(f"{p}: unknown EpisodeStore format_version {d.get('format_version')!r}; "
-                                   f"this wmrl reads versions {list(SUPPORTED_FORMAT_VERSIONS)}")
-        eps = d["episodes"]
-        for e in eps:
-            e["name"], e["length"]  # noqa: B018 - presence check
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise StoreFormatError(f"{p} is corrupt ({type(e).__name__}: {e})") from None
-    return eps
-
-
-def _write_index(path: Path, episodes: list[dict], durable: bool = True) -> None:
-    """Atomically replace ``index.json`` (write a temp file, fsync it if ``durable``, os.replace,
-    fsync the folder if ``durable``). os.replace alone is atomic for readers and process kills."""
-    tmp = path / f".{INDEX_FILE}.tmp-{os.getpid()}"
-    data = json.dumps({"format_version": FORMAT_VERSION, "episodes": episodes}, indent=1)
-    with open(tmp, "w") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path / INDEX_FILE)
-    if durable:
-        _fsync_dir(path)
-
-
-# ---------------------------------------------------------------------- validation
-def _plain(x: Any) -> Any:
-    """numpy / torch scalars and arrays inside ``info`` -> plain JSON types (others unchanged)."""
-    if isinstance(x, Mapping):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().tolist()
-    return x
-
-
-def _coerce_episode(ep: Episode) -> Episode:
-    """A shallow copy of ``ep`` with torch tensors as numpy arrays and ``info`` as plain JSON types
-    (dtypes and shapes are left for :func:`_validate_episode` to judge)."""
-    if not isinstance(ep, Episode):
-        return ep
-
-    def arr(x):
-        return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
-
-    return dataclasses.replace(
-        ep,
-        images={k: arr(v) for k, v in (ep.images or {}).items()},
-        proprio=arr(ep.proprio), actions=arr(ep.actions), rewards=arr(ep.rewards),
-        sim_states=arr(ep.sim_states), extras={k: arr(v) for k, v in (ep.extras or {}).items()},
-        success=bool(ep.success.item()) if isinstance(ep.success, (torch.Tensor, np.ndarray))
-        and ep.success.dtype in (torch.bool, np.bool_) and ep.success.ndim == 0 else ep.success,
-        info=_plain(ep.info or {}),
-    )
-
-
-def _validate_episode(ep: Episode, meta: dict, index: int | None) -> None:
-    def err(msg: str, key: str | None = None, step: int | None = None):
-        return EpisodeValidationError(msg, episode=index, key=key, step=step)
-
-    if not isinstance(ep, Episode):
-        raise err(f"expected a wmrl.kernel.types.Episode, got {type(ep).__name__}")
-    D_s, D_a = int(meta["state_dim"]), int(meta["action_dim"])
-
-    def as_float(key: str, x, shape: tuple) -> np.ndarray:
-        try:
-            a = np.asarray(x)
-        except Exception as e:  # noqa: BLE001 - anything that is not array-like
-            raise err(f"not array-like ({e})", key) from None
-        if a.dtype.kind not in "fiub":
-            raise err(f"must hold numbers, got dtype {a.dtype}", key)
-        if a.shape != shape:
-            raise err(f"expected shape {shape}, got {a.shape}", key)
-        if a.size and not np.isfinite(a).all():
-            s = _first_bad_step(a)
-            bad = a[s][~np.isfinite(a[s])] if a.ndim > 1 else a[s]
-            raise err(f"holds non-finite values ({np.ravel(bad)[:3].tolist()}); remove or fix that step", key, s)
-        return a
-
-    acts = np.asarray(ep.actions)
-    if acts.ndim != 2:
-        raise err(f"expected shape (T, D_a={D_a}), got {acts.shape}", "actions")
-    T = int(acts.shape[0])
-    if T < 1:
-        raise err("episode has no steps (T=0)", "actions")
-    if acts.shape[1] != D_a:
-        raise err(f"action dim {acts.shape[1]} does not match the store's action_dim={D_a} "
-                  f"(actions must be (T, {D_a}))", "actions")
-    as_float("actions", acts, (T, D_a))
-    prop = np.asarray(ep.proprio)
-    if prop.ndim == 2 and prop.shape[0] == T and prop.shape[1] != D_s:
-        raise err(f"state dim {prop.shape[1]} does not match the store's state_dim={D_s}", "proprio")
-    as_float("proprio", prop, (T, D_s))
-    as_float("rewards", ep.rewards, (T,))
-    if ep.sim_states is not None:
-        s = np.asarray(ep.sim_states)
-        if s.ndim != 2:
-            raise err(f"expected (T={T}, S), got {s.shape}", "sim_states")
-        as_float("sim_states", s, (T, s.shape[1]))
-    cams = meta["cameras"]
-    got = set((ep.images or {}).keys())
-    if got != set(cams):
-        missing, extra = sorted(set(cams) - got), sorted(got - set(cams))
-        raise err(f"cameras do not match the store's {sorted(cams)}: missing {missing}, unexpected {extra}",
-                  "images")
-    for cam, (h, w) in cams.items():
-        img = ep.images[cam]
-        key = f"images/{cam}"
-        if not isinstance(img, np.ndarray):
-            raise err(f"must be a numpy array, got {type(img).__name__}", key)
-        if img.dtype != np.uint8:
-            raise err(f"must be uint8 RGB, got dtype {img.dtype} (convert with (x*255).round().astype(np.uint8))",
-                      key)
-        if img.shape != (T, 3, h, w):
-            hint = " (channel-last? transpose to (T, 3, Hi, Wi))" if img.shape == (T, h, w, 3) else ""
-            raise err(f"expected shape {(T, 3, h, w)}, got {img.shape}{hint}", key)
-    for k, v in (ep.extras or {}).items():
-        if not isinstance(k, str) or not k or "/" in k:
-            raise err(f"extras keys must be non-empty strings without '/', got {k!r}", "extras")
-        a = np.asarray(v)
-        if a.ndim < 1 or a.shape[0] != T:
-            raise err(f"must have leading dim T={T}, got shape {a.shape}", f"extras/{k}")
-        if a.dtype.kind not in "fiub":
-            raise err(f"must hold numbers or bools, got dtype {a.dtype}", f"extras/{k}")
-    if not isinstance(ep.success, (bool, np.bool_)) and ep.success not in (0, 1):
-        raise err(f"must be a bool, got {ep.success!r}", "success")
-    for name, val in (("instruction", ep.instruction), ("task_name", ep.task_name)):
-        if not isinstance(val, str):
-            raise err(f"must be a str, got {type(val).__name__}", name)
-    try:
-        json.dumps(ep.info or {})
-    except (TypeError, ValueError) as e:
-        raise err(f"is not JSON-serialisable ({e}); use plain str/int/float/list/dict", "info") from None

@@ -4,6 +4,8 @@ step) and what to change."""
 
 from __future__ import annotations
 
+import os
+
 
 class StoreError(ValueError):
     """Base class of every EpisodeStore error (missing store, existing store, bad mode, ...)."""
@@ -45,3 +47,30 @@ class EpisodeValidationError(StoreError):
 
 class MissingStatsError(ValueError):
     """Normalisation statistics are required but absent (never silently replaced by identity)."""
+
+
+class LeRobotFormatError(ValueError):
+    """A LeRobot dataset folder cannot be read or written; the message names the folder and why.
+
+    Attributes: ``path`` (the folder, str) and ``reason``."""
+
+    def __init__(self, path: str | os.PathLike, reason: str):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"LeRobot dataset {self.path}: {reason}")
+
+
+class DemoImportError(ValueError):
+    """A demonstration file (or one episode of it) cannot be imported.
+
+    The message names the file, the episode key (``data/demo_N``) when the problem is specific to
+    one episode, the reason, and what to change. Attributes: ``path``, ``demo`` (or ``None``),
+    ``reason``.
+    """
+
+    def __init__(self, path: str | os.PathLike, reason: str, demo: str | None = None):
+        self.path = str(path)
+        self.demo = demo
+        self.reason = reason
+        where = f"{self.path} [data/{demo}]" if demo else self.path
+        super().__init__(f"cannot import {where}: {reason}")

@@ -37,152 +37,45 @@ recorded timestamps would reject a last frame 0.5 ms late, as real clocks produc
 Errors are :class:`LeRobotFormatError` (a ``ValueError``) naming the folder and what is wrong:
 missing ``meta/info.json``, a ``codebase_version`` other than ``v3.0``, missing ``action`` /
 ``observation.state`` features, an undeclared action space.
+
+This module holds the import side; the schema (constants, :func:`lerobot_features`,
+:func:`is_lerobot_folder`) is in ``lerobot_schema.py`` and :func:`export_lerobot` in
+``lerobot_export.py``, both re-exported here.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from wmrl.kernel.leftovers import temp_sibling
+from wmrl.kernel.storage.lerobot_export import export_lerobot
+from wmrl.kernel.storage.lerobot_schema import (
+    IMAGE_PREFIX,
+    OSC_POSE_ACTION_NAMES,
+    PANDA_STATE_NAMES,
+    SUPPORTED_CODEBASE_VERSIONS,
+    WMRL_META,
+    WMRL_META_FORMAT,
+    WMRL_META_VERSION,
+    LeRobotFormatError,
+    is_lerobot_folder,
+    lerobot_features,
+)
 from wmrl.kernel.types import ActionSpace, Episode
 
-SUPPORTED_CODEBASE_VERSIONS = ("v3.0",)
+__all__ = [
+    "IMAGE_PREFIX", "OSC_POSE_ACTION_NAMES", "PANDA_STATE_NAMES", "SUPPORTED_CODEBASE_VERSIONS",
+    "VIDEO_DECODE_CHUNK", "VIDEO_TOLERANCE_FRAMES", "WMRL_META", "WMRL_META_FORMAT", "WMRL_META_VERSION",
+    "LeRobotFormatError", "LeRobotSource", "export_lerobot", "inspect_lerobot", "is_lerobot_folder",
+    "lerobot_features", "read_lerobot",
+]
+
 VIDEO_TOLERANCE_FRAMES = 0.5  # a video frame matches frame index t within half a frame of t / fps
-WMRL_META = "wmrl.json"
-WMRL_META_FORMAT = "wmrl-lerobot"
-WMRL_META_VERSION = 1
-IMAGE_PREFIX = "observation.images."
-PANDA_STATE_NAMES = ["eef_x", "eef_y", "eef_z", "eef_qw", "eef_qx", "eef_qy", "eef_qz", "finger_1", "finger_2"]
-OSC_POSE_ACTION_NAMES = ["dx", "dy", "dz", "dax", "day", "daz", "gripper"]
-
-
-class LeRobotFormatError(ValueError):
-    """A LeRobot dataset folder cannot be read or written; the message names the folder and why."""
-
-    def __init__(self, path: str | os.PathLike, reason: str):
-        self.path = str(path)
-        self.reason = reason
-        super().__init__(f"LeRobot dataset {self.path}: {reason}")
-
-
-def is_lerobot_folder(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a folder with ``meta/info.json`` (any LeRobot format version)."""
-    return (Path(path) / "meta" / "info.json").is_file()
-
-
-def _names(prefix: str, n: int, known: list[str]) -> list[str]:
-    return list(known) if n == len(known) else [f"{prefix}_{i}" for i in range(n)]
-
-
-def lerobot_features(store_meta: Mapping, sim_state_dim: int | None = None) -> dict:
-    """The LeRobot ``features`` dict for a store's metadata (see the module table)."""
-    feats: dict = {}
-    for cam, (h, w) in store_meta["cameras"].items():
-        feats[IMAGE_PREFIX + cam] = {"dtype": "image", "shape": (int(h), int(w), 3),
-                                     "names": ["height", "width", "channels"]}
-    ds, da = int(store_meta["state_dim"]), int(store_meta["action_dim"])
-    feats["observation.state"] = {"dtype": "float32", "shape": (ds,), "names": _names("state", ds, PANDA_STATE_NAMES)}
-    feats["action"] = {"dtype": "float32", "shape": (da,), "names": _names("action", da, OSC_POSE_ACTION_NAMES)}
-    feats["next.reward"] = {"dtype": "float32", "shape": (1,), "names": None}
-    feats["next.done"] = {"dtype": "bool", "shape": (1,), "names": None}
-    feats["next.success"] = {"dtype": "bool", "shape": (1,), "names": None}
-    if sim_state_dim:
-        feats["observation.sim_state"] = {"dtype": "float64", "shape": (int(sim_state_dim),), "names": None}
-    return feats
-
-
-def export_lerobot(store, out: str | os.PathLike, repo_id: str = "local/wmrl", overwrite: bool = False,
-                   episodes: Sequence[int] | None = None, progress: bool = True) -> dict:
-    """Write an EpisodeStore as a LeRobotDataset v3 folder.
-
-    The dataset is built in a temporary sibling folder (``.<name>.partial-<pid>-<thread>``) and renamed into
-    place when complete, so ``out`` is never left half-written (and an existing ``out`` is only
-    replaced, with ``overwrite=True``, once the new one is finished). Partial folders of exports to
-    ``out`` whose process is gone (killed with SIGKILL) are removed first.
-
-    Args:
-        store: an open :class:`wmrl.kernel.storage.EpisodeStore`.
-        out: folder to write (must not exist unless ``overwrite``).
-        repo_id: LeRobot repo id recorded in the dataset (``"<user>/<name>"``; nothing is uploaded).
-        episodes: store indices to export (default all).
-        progress: tqdm bar over frames.
-
-    Returns:
-        ``{"episodes", "frames", "lengths", "features", "path"}``.
-
-    Raises:
-        LeRobotFormatError: ``out`` exists (without ``overwrite``), an empty selection, a bad repo id,
-            or episodes that disagree on having ``sim_states``.
-    """
-    from lerobot.datasets.lerobot_dataset import LeRobotDataset
-    from tqdm import tqdm
-
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise LeRobotFormatError(out, "already exists; choose another `out` or pass overwrite=true")
-    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
-        raise LeRobotFormatError(out, f"repo_id must look like 'user/name', got {repo_id!r}")
-    idx = list(range(len(store))) if episodes is None else [int(i) for i in episodes]
-    if not idx:
-        raise LeRobotFormatError(out, "nothing to export: the store (or the selection) has no episodes")
-    meta = store.meta
-    first = store.episode(idx[0], images=False)
-    sim_dim = None if first.sim_states is None else int(first.sim_states.shape[1])
-    features = lerobot_features(meta, sim_dim)
-    tmp = temp_sibling(out, "partial")
-    lengths = store.lengths
-    total = int(sum(int(lengths[i]) for i in idx))
-    ep_meta = []
-    fps = float(meta["fps"])
-    if abs(fps - round(fps)) > 1e-9:
-        raise LeRobotFormatError(out, f"the store's fps={fps} is not an integer; LeRobotDataset stores integer fps")
-    try:
-        ds = LeRobotDataset.create(repo_id=repo_id, fps=round(fps), features=features,
-                                   root=tmp, robot_type=str(meta.get("embodiment") or "unknown"),
-                                   use_videos=False, video_backend="pyav")
-        bar = tqdm(total=total, desc="export frames", disable=not progress)
-        for i in idx:
-            ep = store.episode(i)
-            if (ep.sim_states is None) != (sim_dim is None):
-                raise LeRobotFormatError(out, f"store episode {i} {'lacks' if sim_dim else 'has'} sim_states "
-                                              f"unlike episode {idx[0]}; export them separately")
-            T = ep.length
-            for t in range(T):
-                frame = {IMAGE_PREFIX + c: np.ascontiguousarray(ep.images[c][t].transpose(1, 2, 0))
-                         for c in meta["cameras"]}
-                frame["observation.state"] = np.asarray(ep.proprio[t], np.float32)
-                frame["action"] = np.asarray(ep.actions[t], np.float32)
-                frame["next.reward"] = np.asarray([ep.rewards[t]], np.float32)
-                frame["next.done"] = np.asarray([t == T - 1], bool)
-                frame["next.success"] = np.asarray([bool(ep.success) and t == T - 1], bool)
-                if sim_dim:
-                    frame["observation.sim_state"] = np.asarray(ep.sim_states[t], np.float64)
-                frame["task"] = ep.instruction
-                ds.add_frame(frame)
-                bar.update(1)
-            ds.save_episode()
-            ep_meta.append({"store_index": i, "length": T, "success": bool(ep.success),
-                            "task_name": ep.task_name, "instruction": ep.instruction, "info": ep.info})
-        bar.close()
-        ds.finalize()
-        (tmp / "meta" / WMRL_META).write_text(json.dumps({
-            "format": WMRL_META_FORMAT, "version": WMRL_META_VERSION, "store_meta": meta,
-            "episodes": ep_meta}, indent=1, default=str))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return {"episodes": len(idx), "frames": total, "lengths": [int(lengths[i]) for i in idx],
-            "features": sorted(features), "path": str(out)}
 
 
 @dataclass

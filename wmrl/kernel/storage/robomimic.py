@@ -37,31 +37,46 @@ Every episode is fully validated (MJCF repair and compile, dims, finite values) 
 :func:`inspect_robomimic` before anything is rendered or written, so a bad file never leaves
 partial data in a store. Errors are :class:`DemoImportError` (a ``ValueError``) naming the file,
 the demo key and the reason.
+
+This module holds the conversion (state replay and rendering); the MJCF repair is in
+``robomimic_mjcf.py`` and the inspection / schema checks in ``robomimic_inspect.py``, whose public
+names are re-exported here.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-import json
 import os
-import re
-import xml.etree.ElementTree as ET
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from wmrl.kernel.types import AGENTVIEW, EYE_IN_HAND, ActionSpace, Episode
+from wmrl.kernel.storage.errors import DemoImportError
+from wmrl.kernel.storage.robomimic_inspect import (
+    BASE_BODIES,
+    EEF_SITES,
+    FINGER_JOINTS,
+    DemoInfo,
+    RobomimicInfo,
+    _find_names,
+    inspect_robomimic,
+)
+from wmrl.kernel.storage.robomimic_mjcf import (
+    ASSETS_MARKER,
+    MjcfRepair,
+    compile_mjcf,
+    installed_robosuite_assets,
+    repair_mjcf,
+    robosuite_version,
+)
+from wmrl.kernel.types import AGENTVIEW, EYE_IN_HAND, Episode
 
-ASSETS_MARKER = "robosuite/models/assets/"
+__all__ = [
+    "ASSETS_MARKER", "BASE_BODIES", "DEFAULT_CAMERAS", "DEFAULT_INSTRUCTIONS", "EEF_SITES", "FINGER_JOINTS",
+    "DemoImportError", "DemoInfo", "MjcfRepair", "RobomimicInfo", "StateReplayRenderer", "compile_mjcf",
+    "inspect_robomimic", "installed_robosuite_assets", "read_robomimic", "repair_mjcf", "robosuite_version",
+]
+
 DEFAULT_CAMERAS = (AGENTVIEW, EYE_IN_HAND)
-# robosuite 1.4 names first, robosuite 1.5 names second
-EEF_SITES = ("gripper0_grip_site", "gripper0_right_grip_site")
-BASE_BODIES = ("robot0_base",)
-FINGER_JOINTS = (("gripper0_finger_joint1", "gripper0_finger_joint2"),
-                 ("gripper0_right_finger_joint1", "gripper0_right_finger_joint2"))
 DEFAULT_INSTRUCTIONS = {
     "Lift": "lift the cube",
     "Stack": "stack the red cube on the green cube",
@@ -72,398 +87,10 @@ DEFAULT_INSTRUCTIONS = {
 }
 
 
-class DemoImportError(ValueError):
-    """A demonstration file (or one episode of it) cannot be imported.
-
-    The message names the file, the episode key (``data/demo_N``) when the problem is specific to
-    one episode, the reason, and what to change.
-    """
-
-    def __init__(self, path: str | os.PathLike, reason: str, demo: str | None = None):
-        self.path = str(path)
-        self.demo = demo
-        self.reason = reason
-        where = f"{self.path} [data/{demo}]" if demo else self.path
-        super().__init__(f"cannot import {where}: {reason}")
-
-
-# ----------------------------------------------------------------------------- MJCF repair
-
-def installed_robosuite_assets() -> Path:
-    """Folder ``robosuite/models/assets`` of the installed robosuite (found without importing it,
-    which would print warnings and be slow). Raises ``DemoImportError`` if robosuite is absent."""
-    spec = importlib.util.find_spec("robosuite")
-    if spec is None or not spec.submodule_search_locations:
-        raise DemoImportError("robosuite", "robosuite is not installed; `pip install robosuite==1.5.1`")
-    return Path(next(iter(spec.submodule_search_locations))) / "models" / "assets"
-
-
-def robosuite_version() -> str:
-    try:
-        return importlib.metadata.version("robosuite")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover
-        return "not installed"
-
-
-@dataclass
-class MjcfRepair:
-    """What :func:`repair_mjcf` did: ``rewritten`` maps recorded path -> installed path (those
-    found by file name only are also listed in ``by_name``); ``missing`` lists recorded paths with
-    no installed counterpart."""
-
-    rewritten: dict[str, str] = field(default_factory=dict)
-    by_name: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-
-
-class _AssetIndex:
-    """Index of the installed robosuite assets: relative path set + file name -> relative paths."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.rel: set[str] = set()
-        self.by_name: dict[str, list[str]] = {}
-        for p in root.rglob("*"):
-            if p.is_file():
-                r = p.relative_to(root).as_posix()
-                self.rel.add(r)
-                self.by_name.setdefault(p.name, []).append(r)
-
-    def locate(self, recorded: str) -> tuple[str | None, bool]:
-        """Installed absolute path for a recorded asset path, and whether it was found by name only."""
-        norm = recorded.replace("\\", "/")
-        if ASSETS_MARKER in norm:
-            suffix = os.path.normpath(norm.split(ASSETS_MARKER, 1)[1]).replace("\\", "/")
-            if suffix in self.rel:
-                return str(self.root / suffix), False
-            rec_parts = suffix.split("/")
-        else:
-            rec_parts = os.path.normpath(norm).replace("\\", "/").split("/")
-        cands = self.by_name.get(rec_parts[-1], [])
-        if not cands:
-            return None, False
-
-        def common_suffix(c: str) -> int:
-            cp, n = c.split("/"), 0
-            while n < min(len(cp), len(rec_parts)) and cp[-1 - n] == rec_parts[-1 - n]:
-                n += 1
-            return n
-
-        scores = [common_suffix(c) for c in cands]
-        best = max(scores)
-        winners = [c for c, s in zip(cands, scores) if s == best]
-        if len(winners) > 1:  # ambiguous: same file name in several places, same shared suffix
-            # prefer the one sharing the most leading folders (e.g. "robots/panda/...")
-            def common_prefix(c: str) -> int:
-                cp, n = c.split("/"), 0
-                while n < min(len(cp), len(rec_parts)) and cp[n] == rec_parts[n]:
-                    n += 1
-                return n
-            pre = [common_prefix(c) for c in winners]
-            if pre.count(max(pre)) > 1:
-                return None, False
-            winners = [winners[pre.index(max(pre))]]
-        return str(self.root / winners[0]), True
-
-
-_INDEX_CACHE: dict[Path, _AssetIndex] = {}
-
-
-def _asset_index(root: Path) -> _AssetIndex:
-    if root not in _INDEX_CACHE:
-        _INDEX_CACHE[root] = _AssetIndex(root)
-    return _INDEX_CACHE[root]
-
-
-_NUMERIC_ATTRS = {"pos", "quat", "size", "rgba", "axis", "range", "euler", "axisangle", "xyaxes",
-                  "zaxis", "fromto", "friction", "solref", "solimp", "margin", "gap", "mass",
-                  "diaginertia", "fullinertia", "scale", "ctrlrange", "forcerange", "gear", "damping",
-                  "stiffness", "armature", "frictionloss", "springref", "ref", "density", "fovy"}
-_BAD_NUMBER = re.compile(r"[\[\](),]")
-
-
-def repair_mjcf(xml: str, assets_root: Path | None = None, base_dir: Path | None = None
-                ) -> tuple[str, MjcfRepair]:
-    """Rewrite the asset ``file=`` paths of a recorded MJCF to the installed robosuite's assets.
-
-    Each recorded path is located by its suffix after ``robosuite/models/assets/``; when that file
-    does not exist in the installed robosuite (robosuite 1.5 moved e.g. the robot mount meshes from
-    ``mounts/`` to ``bases/``), by its file name, picking the installed file sharing the longest
-    path suffix (and then prefix); a relative path that exists under ``base_dir`` is kept.
-
-    Args:
-        xml: MJCF text.
-        assets_root: installed ``robosuite/models/assets`` (default: found automatically).
-        base_dir: folder relative paths are taken from (the XML's folder).
-
-    Returns:
-        (repaired MJCF text, :class:`MjcfRepair`). The text is unchanged when nothing was missing.
-
-    Raises:
-        ValueError: the text is not XML, a numeric attribute holds a non-number (e.g. a Python
-            list ``"[0, 0, 0.005]"``), or some referenced files have no installed counterpart
-            (all of them are listed).
-    """
-    assets_root = assets_root or installed_robosuite_assets()
-    try:
-        root = ET.fromstring(xml)
-    except ET.ParseError as e:
-        raise ValueError(f"the MJCF is not valid XML ({e})") from None
-    if root.tag != "mujoco":
-        raise ValueError(f"the MJCF root element is <{root.tag}>, expected <mujoco>")
-    bad = []
-    for el in root.iter():
-        for k, v in el.attrib.items():
-            if k in _NUMERIC_ATTRS and _BAD_NUMBER.search(v):
-                bad.append(f"<{el.tag} name={el.get('name')!r}> {k}={v!r}")
-    if bad:
-        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
-        raise ValueError(
-            "the MJCF holds non-numeric values in numeric attributes (a Python list printed into the "
-            f"XML by the recording robosuite version): {'; '.join(bad[:3])}{more}. MuJoCo expects "
-            "space-separated numbers; re-record the demo or fix the attributes")
-    index = _asset_index(assets_root)
-    rep = MjcfRepair()
-    for el in root.iter():
-        f = el.get("file")
-        if f is None:
-            continue
-        if not os.path.isabs(f) and base_dir is not None and (base_dir / f).is_file():
-            new = str((base_dir / f).resolve())
-            by_name = False
-        else:
-            new, by_name = index.locate(f)
-        if new is None:
-            rep.missing.append(f)
-            continue
-        if new != f:
-            rep.rewritten[f] = new
-            if by_name:
-                rep.by_name.append(f)
-        el.set("file", new)
-    if rep.missing:
-        names = sorted({m.split(ASSETS_MARKER)[-1] for m in rep.missing})
-        more = f" (and {len(names) - 5} more)" if len(names) > 5 else ""
-        raise ValueError(
-            f"the MJCF references {len(rep.missing)} asset file(s) that the installed robosuite "
-            f"{robosuite_version()} does not ship: {', '.join(names[:5])}{more}. This recording needs the "
-            "robosuite release it was made with (its assets), or a hand-repaired MJCF")
-    return ET.tostring(root, encoding="unicode"), rep
-
-
-def compile_mjcf(xml: str):
-    """Compile MJCF text with MuJoCo; ``ValueError`` with MuJoCo's own message on failure."""
-    import mujoco
-
-    try:
-        return mujoco.MjModel.from_xml_string(xml)
-    except Exception as e:  # noqa: BLE001 - any MuJoCo parser/compiler failure becomes one clear ValueError
-        msg = " ".join(str(e).split())
-        raise ValueError(f"MuJoCo cannot compile the repaired MJCF: {msg}") from None
-
-
-# ----------------------------------------------------------------------------- inspection
-
-@dataclass
-class DemoInfo:
-    """One validated episode of a demo file (no images yet)."""
-
-    key: str
-    length: int
-    xml: str
-    nq: int
-    nv: int
-    repair: MjcfRepair
-
-
-@dataclass
-class RobomimicInfo:
-    """A validated demo file: its episodes and file-level metadata."""
-
-    path: Path
-    env_name: str
-    robosuite_version: str
-    env_info: dict
-    action_dim: int
-    action_space: ActionSpace
-    demos: list[DemoInfo]
-
-    @property
-    def lengths(self) -> list[int]:
-        return [d.length for d in self.demos]
-
-
-def _demo_sort_key(k: str):
-    m = re.search(r"(\d+)$", k)
-    return (int(m.group(1)) if m else 1 << 30, k)
-
-
-def _action_space(env_info: dict, action_dim: int, path, demo=None) -> ActionSpace:
-    ctrl = env_info.get("controller_configs") or {}
-    if "body_parts" in ctrl:  # robosuite >= 1.5 composite controller
-        arm = (ctrl.get("body_parts") or {}).get("right") or {}
-        ctrl = arm or ctrl
-    ctype = ctrl.get("type", "unknown")
-    delta = ctrl.get("control_delta", True)
-    if ctype not in ("OSC_POSE", "OSC_POSITION"):
-        raise DemoImportError(path, f"controller {ctype!r} is not supported (OSC_POSE or OSC_POSITION)", demo)
-    expected = 7 if ctype == "OSC_POSE" else 4
-    if action_dim != expected:
-        raise DemoImportError(
-            path, f"actions have {action_dim} dims, but a single-arm {ctype} controller with a gripper "
-                  f"takes {expected} (xyz, {'axis-angle, ' if expected == 7 else ''}gripper)", demo)
-    return ActionSpace(dim=action_dim, controller=ctype, mode="delta" if delta else "absolute",
-                       frame="base", rotation="axis_angle", gripper_open=-1.0, gripper_close=1.0,
-                       low=float(ctrl.get("input_min", -1.0)), high=float(ctrl.get("input_max", 1.0)))
-
-
-def inspect_robomimic(path: str | os.PathLike, demos: Sequence[str] | None = None,
-                      assets_root: Path | None = None) -> RobomimicInfo:
-    """Open and fully validate a robomimic / robosuite ``demo.hdf5`` without rendering anything.
-
-    Checks per episode: the MJCF is present, repairs and compiles; ``states`` has
-    ``1 + nq + nv`` (or ``+ na``) columns for the compiled model; ``actions`` and ``states`` have the
-    same number of steps (> 0) and are finite; the action dimension matches the controller.
-
-    Args:
-        path: the hdf5 file.
-        demos: episode keys to take (``["demo_1", ...]``); default all, in numeric order.
-        assets_root: installed robosuite assets folder (default: found automatically).
-
-    Raises:
-        DemoImportError: naming file, episode and reason, for the first problem found.
-    """
-    import h5py
-
-    path = Path(path)
-    if not path.is_file():
-        raise DemoImportError(path, "no such file")
-    try:
-        f = h5py.File(path, "r")
-    except OSError as e:
-        raise DemoImportError(path, f"not a readable HDF5 file ({e})") from None
-    with f:
-        if "data" not in f:
-            raise DemoImportError(path, "no group 'data' (not a robomimic/robosuite demo file)")
-        data = f["data"]
-        attrs = dict(data.attrs)
-        version = str(attrs.get("repository_version", "unknown"))
-        env_name = str(attrs.get("env", "unknown"))
-        try:
-            env_info = json.loads(attrs.get("env_info", "{}"))
-        except (TypeError, ValueError):
-            # robomimic-converted files keep env_args instead
-            env_info = {}
-        if not env_info and "env_args" in attrs:
-            try:
-                ea = json.loads(attrs["env_args"])
-                env_name = ea.get("env_name", env_name)
-                env_info = ea.get("env_kwargs", {})
-            except (TypeError, ValueError):
-                pass
-        keys = sorted([k for k in data if k.startswith("demo")], key=_demo_sort_key)
-        if demos is not None:
-            unknown = [d for d in demos if d not in keys]
-            if unknown:
-                raise DemoImportError(path, f"no episode(s) {unknown}; the file has {keys}")
-            keys = list(demos)
-        if not keys:
-            raise DemoImportError(path, "no episodes (data/demo_*) in the file")
-        out: list[DemoInfo] = []
-        action_dim = None
-        space = None
-        for k in keys:
-            g = data[k]
-            for needed in ("actions", "states"):
-                if needed not in g:
-                    raise DemoImportError(path, f"missing dataset '{needed}'", k)
-            actions = g["actions"]
-            states = g["states"]
-            if actions.ndim != 2 or states.ndim != 2:
-                raise DemoImportError(path, f"actions {actions.shape} / states {states.shape} must be 2-D (T, dim)", k)
-            if actions.shape[0] != states.shape[0] or actions.shape[0] == 0:
-                raise DemoImportError(path, f"actions have {actions.shape[0]} steps, states {states.shape[0]}; "
-                                            "they must match and be > 0", k)
-            a = np.asarray(actions, dtype=np.float64)
-            s = np.asarray(states, dtype=np.float64)
-            if not np.isfinite(a).all():
-                bad = np.argwhere(~np.isfinite(a))[0]
-                raise DemoImportError(path, f"actions hold NaN/inf (first at step {bad[0]}, dim {bad[1]})", k)
-            if not np.isfinite(s).all():
-                bad = np.argwhere(~np.isfinite(s))[0]
-                raise DemoImportError(path, f"states hold NaN/inf (first at step {bad[0]}, column {bad[1]})", k)
-            if action_dim is None:
-                action_dim = a.shape[1]
-            elif a.shape[1] != action_dim:
-                raise DemoImportError(path, f"actions have {a.shape[1]} dims, earlier episodes {action_dim}", k)
-            # MJCF: inline text (robosuite >= 1.2) or a file name in models/ (robosuite 1.0/1.1)
-            mf = g.attrs.get("model_file")
-            if mf is None:
-                raise DemoImportError(path, "no attrs['model_file'] (the scene MJCF); cannot replay", k)
-            if isinstance(mf, bytes):
-                mf = mf.decode()
-            mf = str(mf)
-            base_dir = path.parent
-            if not mf.lstrip().startswith("<"):
-                xml_path = path.parent / "models" / mf
-                if not xml_path.is_file():
-                    raise DemoImportError(path, f"model_file names {mf!r} but {xml_path} does not exist", k)
-                base_dir = xml_path.parent
-                mf = xml_path.read_text()
-            try:
-                xml, rep = repair_mjcf(mf, assets_root, base_dir)
-                model = compile_mjcf(xml)
-            except ValueError as e:
-                raise DemoImportError(path, str(e), k) from None
-            widths = {1 + model.nq + model.nv, 1 + model.nq + model.nv + model.na}
-            if s.shape[1] not in widths:
-                raise DemoImportError(
-                    path, f"states have {s.shape[1]} columns but the scene has nq={model.nq}, nv={model.nv} "
-                          f"(expected 1 + nq + nv = {1 + model.nq + model.nv}); the MJCF does not match the recording", k)
-            _find_names(model, path, k)
-            if space is None:
-                space = _action_space(env_info, action_dim, path, k)
-            out.append(DemoInfo(k, int(a.shape[0]), xml, model.nq, model.nv, rep))
-    return RobomimicInfo(path, env_name, version, env_info, int(action_dim), space, out)
-
-
 # ----------------------------------------------------------------------------- replay
 
-def _first_id(model, objtype, names):
-    import mujoco
-
-    for n in names:
-        i = mujoco.mj_name2id(model, objtype, n)
-        if i >= 0:
-            return i, n
-    return -1, None
-
-
-def _find_names(model, path=None, demo=None) -> dict:
-    import mujoco
-
-    site, site_name = _first_id(model, mujoco.mjtObj.mjOBJ_SITE, EEF_SITES)
-    base, _ = _first_id(model, mujoco.mjtObj.mjOBJ_BODY, BASE_BODIES)
-    fingers = None
-    for pair in FINGER_JOINTS:
-        ids = [mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_JOINT, n) for n in pair]
-        if min(ids) >= 0:
-            fingers = [int(model.jnt_qposadr[i]) for i in ids]
-            break
-    missing = []
-    if site < 0:
-        missing.append(f"end-effector site (one of {EEF_SITES})")
-    if base < 0:
-        missing.append(f"robot base body (one of {BASE_BODIES})")
-    if fingers is None:
-        missing.append(f"gripper finger joints (one of {FINGER_JOINTS})")
-    if missing:
-        raise DemoImportError(path or "MJCF", "the scene lacks " + ", ".join(missing) +
-                              "; only single-arm robosuite scenes with a parallel gripper are supported", demo)
-    return {"site": site, "site_name": site_name, "base": base, "fingers": fingers}
-
-
 def _mat_to_quat_wxyz(mat: np.ndarray) -> np.ndarray:
+    """``float64 (4,)`` quaternion ``wxyz`` (``w >= 0``) of a ``(3, 3)`` rotation matrix."""
     import mujoco
 
     q = np.zeros(4)
@@ -534,6 +161,7 @@ class StateReplayRenderer:
         mujoco.mj_forward(m, d)
 
     def render(self, state: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """``{cam: uint8 (3, Hi, Wi)}`` at ``state`` (set first when given) or the state last set."""
         if state is not None:
             self.set_state(state)
         out = {}

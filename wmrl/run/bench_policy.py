@@ -22,7 +22,6 @@ own thread choice); other processes slow them down. Timings are never asserted i
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -33,68 +32,29 @@ import time
 import hydra
 import numpy as np
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from wmrl.kernel.precision import resolve_bf16
 from wmrl.run.common import RunContext, run_main
+from wmrl.run.measure import bc_step_fn, build_policy, random_obs, time_ms
 
 log = logging.getLogger("wmrl.bench_policy")
-
-
-def _build(cfg: DictConfig):
-    if cfg.get("checkpoint"):
-        from wmrl.kernel.checkpoint import load_checkpoint
-
-        return load_checkpoint(cfg.checkpoint), True
-    from wmrl.kernel.storage import NormStats
-
-    pc = OmegaConf.to_container(cfg.policy, resolve=True)
-    pc["cameras"] = pc.get("cameras") or list(cfg.cameras)
-    pc["image_size"] = pc.get("image_size") or list(cfg.image_size)
-    pc["state_dim"] = pc.get("state_dim") or int(cfg.state_dim)
-    pc["action_dim"] = pc.get("action_dim") or int(cfg.action_dim)
-    policy = instantiate(pc, _convert_="all")
-    rng = np.random.default_rng(0)
-    policy.set_norm_stats(NormStats.from_data({"proprio": rng.standard_normal((256, policy.state_dim)),
-                                               "actions": rng.uniform(-1, 1, (256, policy.action_dim))}))
-    return policy, False
-
-
-def _obs(policy, b: int, seed: int = 0):
-    from wmrl.kernel.types import Obs
-
-    g = torch.Generator().manual_seed(seed)
-    h, w = policy.image_size
-    return Obs({c: torch.randint(0, 256, (b, 3, h, w), generator=g, dtype=torch.uint8) for c in policy.cameras},
-               torch.randn(b, policy.state_dim, generator=g), ["lift the red cube"] * b)
-
-
-def _time(fn, runs: int, warmup: int) -> np.ndarray:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return np.asarray(out) * 1000.0
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from policies.samplers import EulerODESampler, SDESampler
 
-    policy, trained = _build(cfg)
+    policy, trained = build_policy(cfg)
     policy.eval()
     k = int(getattr(policy.sampler, "num_steps", 10))
-    obs = _obs(policy, 1)
+    obs = random_obs(policy, 1)
     report: dict = {"policy": cfg.get("checkpoint") or OmegaConf.select(cfg, "policy._target_"),
                     "trained_checkpoint": trained, "num_threads": torch.get_num_threads(),
                     "num_params": sum(p.numel() for p in policy.parameters()), "inference_ms": {}}
     for name, sampler in (("ode", EulerODESampler(k)), ("sde", SDESampler(k, 0.5))):
         policy.sampler = sampler
         gen = torch.Generator().manual_seed(0)
-        ms = _time(lambda: policy.sample(obs, gen), int(cfg.inference_runs), 5)
+        ms = time_ms(lambda: policy.sample(obs, gen), int(cfg.inference_runs), 5)
         report["inference_ms"][name] = {"num_steps": k, "median": float(np.median(ms)), "p90": float(np.percentile(ms, 90))}
         print(f"inference ({name}, K={k}, batch 1): median {np.median(ms):.1f} ms, p90 {np.percentile(ms, 90):.1f} ms "
               f"per chunk (budget {cfg.budget_inference_ms} ms)")
@@ -109,8 +69,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     report["bc"] = {"batch_size": b, "bc_steps": int(cfg.bc_steps), "budget_minutes": float(cfg.budget_bc_min),
                     "precision": default_prec.as_dict()}
     for name, prec in modes.items():
-        step = _bc_step_fn(policy, b, prec.bf16, device_type)
-        ms = _time(step, int(cfg.train_steps), 3)
+        step = bc_step_fn(policy, b, prec.bf16, device_type)
+        ms = time_ms(step, int(cfg.train_steps), 3)
         med = float(np.median(ms))
         report["bc"][name] = {"bf16": prec.bf16, "step_ms_median": med, "samples_per_s": b * 1000.0 / med}
         print(f"BC step ({name}: {prec.dtype}, batch {b}): median {med:.0f} ms, {b * 1000.0 / med:.0f} samples/s")
@@ -128,36 +88,6 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     return report
 
 
-def _bc_step_fn(policy, b: int, bf16: bool, device_type: str):
-    """One BC step (forward under autocast if ``bf16``, backward, AdamW, EMA) on random windows, on a
-    fresh copy of ``policy``."""
-    from policies.train import DEFAULTS, _cfg
-
-    train_pol = copy.deepcopy(policy).train()
-    o = _obs(train_pol, b, seed=1)
-    batch = {"images": o.images, "proprio": o.proprio,
-             "actions": torch.rand(b, train_pol.chunk_size, train_pol.action_dim) * 2 - 1,
-             "action_pad": torch.zeros(b, train_pol.chunk_size, dtype=torch.bool), "instruction": o.task}
-    c = _cfg({"batch_size": b})
-    params = [p for p in train_pol.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=c["lr"], weight_decay=c["weight_decay"])
-    ema = copy.deepcopy(train_pol)
-    gen = torch.Generator().manual_seed(0)
-
-    def step():
-        with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=bf16):
-            loss, _ = train_pol.loss(batch, generator=gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, c["grad_clip"])
-        opt.step()
-        with torch.no_grad():
-            for pe, pp in zip(ema.parameters(), train_pol.parameters()):
-                pe.lerp_(pp, 1 - DEFAULTS["ema_decay"])
-
-    return step
-
-
 # ------------------------------------------------------------------ a CPU-bound neighbour
 _NEIGHBOUR = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
 _CHILD = "import json, sys\nfrom wmrl.run.bench_policy import bc_rate_child\nbc_rate_child(json.loads(sys.argv[1]))\n"
@@ -171,9 +101,9 @@ def bc_rate_child(spec: dict) -> None:
 
     k, why = set_threads(spec["num_threads"])
     cfg = OmegaConf.create(spec["cfg"])
-    policy, _ = _build(cfg)
+    policy, _ = build_policy(cfg)
     prec = resolve_bf16(spec["bf16"], "cpu", "BC")
-    step = _bc_step_fn(policy, int(spec["batch_size"]), prec.bf16, "cpu")
+    step = bc_step_fn(policy, int(spec["batch_size"]), prec.bf16, "cpu")
     for _ in range(3):
         step()
     t0 = time.perf_counter()

@@ -13,43 +13,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 
 import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from wmrl.run.common import RunContext, run_main
+from wmrl.run.measure import sim_rates
 
 log = logging.getLogger("wmrl.bench_sim")
-
-
-def measure(suite, task: str, cameras, render, steps: int, warmup: int) -> dict:
-    from sim.env import TaskEnv
-    from sim.expert import ScriptedExpert
-
-    spec = suite.task(task)
-    env = TaskEnv(spec.scene, cameras, suite.image_size, render)
-    n, idx, t_total, t_render = 0, 0, 0.0, 0.0
-    while n < steps + warmup:
-        env.reset(spec, suite.init_state(task, "eval", idx % 50))
-        expert = ScriptedExpert(spec, 0.0, idx)
-        idx += 1
-        while n < steps + warmup:
-            t0 = time.perf_counter()
-            env.observe()
-            t1 = time.perf_counter()
-            _, _, te, tr = env.step(expert.act(env.privileged()))
-            t2 = time.perf_counter()
-            if n >= warmup:
-                t_total += t2 - t0
-                t_render += t1 - t0
-            n += 1
-            if te or tr:
-                break
-    return {"cameras": list(cameras), "image_size": list(suite.image_size), "render": dataclasses.asdict(env.render_settings),
-            "steps": steps, "steps_per_s": steps / t_total, "render_ms_per_step": 1000 * t_render / steps,
-            "physics_ms_per_step": 1000 * (t_total - t_render) / steps}
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
@@ -67,7 +39,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         elif name != "two_cameras":
             raise ValueError(f"unknown bench setting {name!r}; use two_cameras, no_cameras, "
                              "two_cameras_visual_meshes, two_cameras_flat_robot")
-        r = measure(suite, str(cfg.task), cams, render, int(cfg.steps), int(cfg.warmup))
+        r = sim_rates(suite, str(cfg.task), cams, render, int(cfg.steps), int(cfg.warmup))
         results[name] = r
         print(f"{name:<24} {r['steps_per_s']:7.1f} control steps/s  (render {r['render_ms_per_step']:.1f} ms, "
               f"physics+control {r['physics_ms_per_step']:.1f} ms per step; cameras {r['cameras']} "

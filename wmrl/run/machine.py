@@ -60,10 +60,10 @@ def _rng_kept():
 
 
 def _median_s(fn: Callable[[], Any], runs: int, warmup: int = 1) -> float:
-    """Median seconds of ``fn()`` (``wmrl.run.bench_policy._time``, which gives milliseconds)."""
-    from wmrl.run.bench_policy import _time
+    """Median seconds of ``fn()`` (``wmrl.run.measure.time_ms``, which gives milliseconds)."""
+    from wmrl.run.measure import time_ms
 
-    return float(np.median(_time(fn, runs, warmup))) / 1000.0
+    return float(np.median(time_ms(fn, runs, warmup))) / 1000.0
 
 
 def pipeline_suite(cfg: DictConfig):
@@ -86,16 +86,14 @@ def _stage_config(cfg: DictConfig, name: str) -> DictConfig:
 
 def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None, suite=None) -> dict[str, float]:
     """Seconds per unit of work at the pipeline config ``cfg``'s sizes and precision, on this machine
-    with the current torch thread count, timed by the benchmarks' own pieces (``bench_sim.measure``,
-    ``bench_policy``'s BC step). ``suite``: the pipeline's (:func:`pipeline_suite` when ``None``).
+    with the current torch thread count, timed by the benchmarks' own pieces (``wmrl.run.measure``). ``suite``: the pipeline's (:func:`pipeline_suite` when ``None``).
     Leaves the global RNGs as they were.
 
     Returns ``{"sim_step_s", "bc_step_s", "wm_step_s", "critic_step_s", "imagine_per_rollout_s",
     "policy_per_env_s", "policy_sde_per_rollout_s", "calibration_s"}``.
     """
     from wmrl.kernel.precision import resolve_bf16
-    from wmrl.run.bench_policy import _bc_step_fn, _build, _obs
-    from wmrl.run.bench_sim import measure
+    from wmrl.run.measure import bc_step_fn, build_policy, random_obs, sim_rates
 
     say = progress or (lambda s: None)
     t_start = time.perf_counter()
@@ -103,22 +101,22 @@ def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None, su
     with _rng_kept(), torch.no_grad():
         suite = suite if suite is not None else pipeline_suite(cfg)
         say("simulator step (rendered)")
-        sim = measure(suite, suite.task_names[0], suite.cameras, dataclasses.asdict(suite.render), 40, 5)
+        sim = sim_rates(suite, suite.task_names[0], suite.cameras, dataclasses.asdict(suite.render), 40, 5)
         out["sim_step_s"] = 1.0 / sim["steps_per_s"]
 
     with _rng_kept():
         say("BC step")
         bc = _stage_config(cfg, "bc")
-        policy, _ = _build(OmegaConf.create({"policy": OmegaConf.to_container(bc.policy, resolve=True),
+        policy, _ = build_policy(OmegaConf.create({"policy": OmegaConf.to_container(bc.policy, resolve=True),
                                              "cameras": list(suite.cameras), "image_size": list(suite.image_size),
                                              "state_dim": suite.state_dim, "action_dim": suite.action_space.dim}))
         b = int(bc.train.batch_size)
         prec = resolve_bf16(bc.train.get("bf16", "auto"), "cpu", "BC")
-        out["bc_step_s"] = _median_s(_bc_step_fn(policy, b, prec.bf16, "cpu"), 5, 2)
+        out["bc_step_s"] = _median_s(bc_step_fn(policy, b, prec.bf16, "cpu"), 5, 2)
         policy.eval()
         with torch.no_grad():
             ne = int(cfg.evaluation.num_envs)
-            oe = _obs(policy, ne)
+            oe = random_obs(policy, ne)
             out["policy_per_env_s"] = _median_s(lambda: policy.sample(oe), 3) / ne
 
     with _rng_kept():
@@ -173,7 +171,7 @@ def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None, su
         nb = int(g.env.num_envs)
         wm.eval()
         critic.eval()
-        ctx = _obs(wm, nb)
+        ctx = random_obs(wm, nb)
         state = wm.init(ctx)
         acts = torch.rand(nb, wm.chunk_size, wm.action_dim) * 2 - 1
 
@@ -185,7 +183,7 @@ def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None, su
         from wmrl.run.post_train import using_sampler
 
         sampler = instantiate(g.rl_sampler) if g.get("rl_sampler") else None
-        op = _obs(policy, nb)
+        op = random_obs(policy, nb)
         with using_sampler(policy, sampler):
             out["policy_sde_per_rollout_s"] = _median_s(lambda: policy.sample(op), 2, 1) / nb
     out["calibration_s"] = time.perf_counter() - t_start

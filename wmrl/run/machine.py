@@ -86,14 +86,13 @@ def _stage_config(cfg: DictConfig, name: str) -> DictConfig:
 
 def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None, suite=None) -> dict[str, float]:
     """Seconds per unit of work at the pipeline config ``cfg``'s sizes and precision, on this machine
-    with the current torch thread count, timed by the benchmarks' own pieces (``wmrl.run.measure``). ``suite``: the pipeline's (:func:`pipeline_suite` when ``None``).
-    Leaves the global RNGs as they were.
+    with the current torch thread count, timed by the benchmarks' own pieces (``wmrl.run.measure``).
+    ``suite``: the pipeline's (:func:`pipeline_suite` when ``None``). Leaves the global RNGs as they were.
 
     Returns ``{"sim_step_s", "bc_step_s", "wm_step_s", "critic_step_s", "imagine_per_rollout_s",
     "policy_per_env_s", "policy_sde_per_rollout_s", "calibration_s"}``.
     """
-    from wmrl.kernel.precision import resolve_bf16
-    from wmrl.run.measure import bc_step_fn, build_policy, random_obs, sim_rates
+    from wmrl.run.measure import sim_rates
 
     say = progress or (lambda s: None)
     t_start = time.perf_counter()
@@ -103,91 +102,113 @@ def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None, su
         say("simulator step (rendered)")
         sim = sim_rates(suite, suite.task_names[0], suite.cameras, dataclasses.asdict(suite.render), 40, 5)
         out["sim_step_s"] = 1.0 / sim["steps_per_s"]
-
     with _rng_kept():
         say("BC step")
-        bc = _stage_config(cfg, "bc")
-        policy, _ = build_policy(OmegaConf.create({"policy": OmegaConf.to_container(bc.policy, resolve=True),
-                                             "cameras": list(suite.cameras), "image_size": list(suite.image_size),
-                                             "state_dim": suite.state_dim, "action_dim": suite.action_space.dim}))
-        b = int(bc.train.batch_size)
-        prec = resolve_bf16(bc.train.get("bf16", "auto"), "cpu", "BC")
-        out["bc_step_s"] = _median_s(bc_step_fn(policy, b, prec.bf16, "cpu"), 5, 2)
-        policy.eval()
-        with torch.no_grad():
-            ne = int(cfg.evaluation.num_envs)
-            oe = random_obs(policy, ne)
-            out["policy_per_env_s"] = _median_s(lambda: policy.sample(oe), 3) / ne
-
+        policy = _time_bc(cfg, suite, out)
     with _rng_kept():
         say("world-model step")
-        wmc = _stage_config(cfg, "worldmodel")
-        wm = instantiate(OmegaConf.to_container(wmc.worldmodel, resolve=True), _convert_="all")
-        wm.set_norm_stats(torch.randn(16, wm.state_dim), torch.randn(16, wm.state_dim))
-        bw = int(wmc.train.batch_size)
-        ch = 3 * len(wm.cameras)
-        hw = wm.image_size
-        f0 = torch.randint(0, 256, (bw, ch, *hw), dtype=torch.uint8)
-        f1 = torch.randint(0, 256, (bw, ch, *hw), dtype=torch.uint8)
-        pr, a = torch.randn(bw, wm.state_dim), torch.rand(bw, wm.chunk_size, wm.action_dim) * 2 - 1
-        wopt = torch.optim.AdamW(wm.parameters(), lr=1e-4)
-        wm.train()
-
-        def wm_step():
-            loss = wm.loss(f0, pr, a, f1, pr)["loss"]
-            wopt.zero_grad(set_to_none=True)
-            loss.backward()
-            wopt.step()
-
-        out["wm_step_s"] = _median_s(wm_step, 2, 1)
-
+        wm = _time_world_model(cfg, out)
     with _rng_kept():
         say("critic step")
-        cc = _stage_config(cfg, "critic")
-        ccfg = OmegaConf.to_container(cc.critic, resolve=True)
-        ccfg["text_encoder"] = "none"   # embeddings are cached per instruction in use
-        critic = instantiate(ccfg, _convert_="all")
-        if critic.use_proprio:
-            critic.set_norm_stats(torch.randn(16, critic.state_dim))
-        bc_ = int(cc.train.batch_size)
-        fr = torch.randint(0, 256, (bc_, 3 * len(critic.cameras), *((critic.image_size,) * 2
-                                                                       if isinstance(critic.image_size, int)
-                                                                       else critic.image_size)), dtype=torch.uint8)
-        pp, tg = torch.randn(bc_, critic.state_dim), torch.rand(bc_)
-        copt = torch.optim.AdamW(critic.parameters(), lr=1e-4)
-        critic.train()
-
-        def critic_step():
-            loss = critic.loss(fr, pp, ["lift the red cube"] * bc_, tg, (tg > 0.5).float())["loss"]
-            copt.zero_grad(set_to_none=True)
-            loss.backward()
-            copt.step()
-
-        out["critic_step_s"] = _median_s(critic_step, 4, 1)
-
+        critic = _time_critic(cfg, out)
     with _rng_kept(), torch.no_grad():
         say("imagined chunk")
-        g = _stage_config(cfg, "grpo")
-        nb = int(g.env.num_envs)
-        wm.eval()
-        critic.eval()
-        ctx = random_obs(wm, nb)
-        state = wm.init(ctx)
-        acts = torch.rand(nb, wm.chunk_size, wm.action_dim) * 2 - 1
-
-        def imagine():
-            _, pred = wm.imagine(state, acts)
-            critic.evaluate(pred)
-
-        out["imagine_per_rollout_s"] = _median_s(imagine, 2, 1) / nb
-        from wmrl.run.post_train import using_sampler
-
-        sampler = instantiate(g.rl_sampler) if g.get("rl_sampler") else None
-        op = random_obs(policy, nb)
-        with using_sampler(policy, sampler):
-            out["policy_sde_per_rollout_s"] = _median_s(lambda: policy.sample(op), 2, 1) / nb
+        _time_imagination(cfg, policy, wm, critic, out)
     out["calibration_s"] = time.perf_counter() - t_start
     return out
+
+
+def _time_bc(cfg: DictConfig, suite, out: dict[str, float]):
+    """``bc_step_s`` and ``policy_per_env_s`` into ``out``; returns the (eval-mode) policy."""
+    from wmrl.kernel.precision import resolve_bf16
+    from wmrl.run.measure import bc_step_fn, build_policy, random_obs
+
+    bc = _stage_config(cfg, "bc")
+    policy, _ = build_policy(OmegaConf.create({"policy": OmegaConf.to_container(bc.policy, resolve=True),
+                                               "cameras": list(suite.cameras), "image_size": list(suite.image_size),
+                                               "state_dim": suite.state_dim, "action_dim": suite.action_space.dim}))
+    b = int(bc.train.batch_size)
+    prec = resolve_bf16(bc.train.get("bf16", "auto"), "cpu", "BC")
+    out["bc_step_s"] = _median_s(bc_step_fn(policy, b, prec.bf16, "cpu"), 5, 2)
+    policy.eval()
+    with torch.no_grad():
+        ne = int(cfg.evaluation.num_envs)
+        oe = random_obs(policy, ne)
+        out["policy_per_env_s"] = _median_s(lambda: policy.sample(oe), 3) / ne
+    return policy
+
+
+def _time_world_model(cfg: DictConfig, out: dict[str, float]):
+    """``wm_step_s`` into ``out``; returns the world model."""
+    wmc = _stage_config(cfg, "worldmodel")
+    wm = instantiate(OmegaConf.to_container(wmc.worldmodel, resolve=True), _convert_="all")
+    wm.set_norm_stats(torch.randn(16, wm.state_dim), torch.randn(16, wm.state_dim))
+    bw = int(wmc.train.batch_size)
+    ch = 3 * len(wm.cameras)
+    hw = wm.image_size
+    f0 = torch.randint(0, 256, (bw, ch, *hw), dtype=torch.uint8)
+    f1 = torch.randint(0, 256, (bw, ch, *hw), dtype=torch.uint8)
+    pr, a = torch.randn(bw, wm.state_dim), torch.rand(bw, wm.chunk_size, wm.action_dim) * 2 - 1
+    wopt = torch.optim.AdamW(wm.parameters(), lr=1e-4)
+    wm.train()
+
+    def wm_step():
+        loss = wm.loss(f0, pr, a, f1, pr)["loss"]
+        wopt.zero_grad(set_to_none=True)
+        loss.backward()
+        wopt.step()
+
+    out["wm_step_s"] = _median_s(wm_step, 2, 1)
+    return wm
+
+
+def _time_critic(cfg: DictConfig, out: dict[str, float]):
+    """``critic_step_s`` into ``out``; returns the critic."""
+    cc = _stage_config(cfg, "critic")
+    ccfg = OmegaConf.to_container(cc.critic, resolve=True)
+    ccfg["text_encoder"] = "none"   # embeddings are cached per instruction in use
+    critic = instantiate(ccfg, _convert_="all")
+    if critic.use_proprio:
+        critic.set_norm_stats(torch.randn(16, critic.state_dim))
+    bc_ = int(cc.train.batch_size)
+    size = (critic.image_size,) * 2 if isinstance(critic.image_size, int) else critic.image_size
+    fr = torch.randint(0, 256, (bc_, 3 * len(critic.cameras), *size), dtype=torch.uint8)
+    pp, tg = torch.randn(bc_, critic.state_dim), torch.rand(bc_)
+    copt = torch.optim.AdamW(critic.parameters(), lr=1e-4)
+    critic.train()
+
+    def critic_step():
+        loss = critic.loss(fr, pp, ["lift the red cube"] * bc_, tg, (tg > 0.5).float())["loss"]
+        copt.zero_grad(set_to_none=True)
+        loss.backward()
+        copt.step()
+
+    out["critic_step_s"] = _median_s(critic_step, 4, 1)
+    return critic
+
+
+def _time_imagination(cfg: DictConfig, policy, wm, critic, out: dict[str, float]) -> None:
+    """``imagine_per_rollout_s`` and ``policy_sde_per_rollout_s`` (GRPO's RL sampler) into ``out``."""
+    from wmrl.run.measure import random_obs
+    from wmrl.run.post_train import using_sampler
+
+    g = _stage_config(cfg, "grpo")
+    nb = int(g.env.num_envs)
+    wm.eval()
+    critic.eval()
+    ctx = random_obs(wm, nb)
+    state = wm.init(ctx)
+    acts = torch.rand(nb, wm.chunk_size, wm.action_dim) * 2 - 1
+
+    def imagine():
+        _, pred = wm.imagine(state, acts)
+        critic.evaluate(pred)
+
+    out["imagine_per_rollout_s"] = _median_s(imagine, 2, 1) / nb
+    sampler = instantiate(g.rl_sampler) if g.get("rl_sampler") else None
+    op = random_obs(policy, nb)
+    with using_sampler(policy, sampler):
+        out["policy_sde_per_rollout_s"] = _median_s(lambda: policy.sample(op), 2, 1) / nb
 
 
 def work_units(cfg: DictConfig, suite=None) -> dict[str, dict[str, float]]:

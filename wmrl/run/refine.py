@@ -48,20 +48,9 @@ def _model_config(folder) -> dict:
     return cfg
 
 
-def run(cfg: DictConfig, ctx: RunContext) -> dict:
-    from wmrl.kernel.checkpoint import load_checkpoint
-    from wmrl.kernel.storage import EpisodeStore
-    from worldmodels.data import EpisodeFrames, heldout_episodes
-    from worldmodels.train import train_critic, train_world_model
-
-    wm_dir = ctx.path(cfg.worldmodel_checkpoint)
-    if not (wm_dir / "config.yaml").is_file():
-        raise ValueError(f"worldmodel_checkpoint={cfg.worldmodel_checkpoint!r}: no checkpoint folder at {wm_dir}")
-    model = load_checkpoint(wm_dir)
-    model.eval()
-    cams = list(model.cameras)
-
-    fstore = EpisodeStore.open(ctx.path(cfg.failures_store), mode="r")
+def _failed_episodes(fstore, cfg: DictConfig) -> list[int]:
+    """Indices of the failed episodes of ``fstore`` (with ``cfg.failure_labels``: only those whose
+    ``info["failure_label"]``, or its part before ``:``, is one of them). Raises ``ValueError`` if none."""
     labels = set(cfg.failure_labels) if cfg.get("failure_labels") else None
     fail_idx = []
     for i in range(len(fstore)):
@@ -75,6 +64,43 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     if not fail_idx:
         raise ValueError(f"{cfg.failures_store} holds no failed episode"
                          f"{' with labels ' + str(sorted(labels)) if labels else ''}; nothing to refine on")
+    return fail_idx
+
+
+def _refine_critic(cfg: DictConfig, ctx: RunContext, mixed, eval_set) -> dict:
+    """Fine-tune ``cfg.critic_checkpoint`` on ``mixed``; its AUROC on ``eval_set`` before and after."""
+    from wmrl.kernel.checkpoint import load_checkpoint
+    from worldmodels.evaluate import critic_auroc
+    from worldmodels.train import train_critic
+
+    c_dir = ctx.path(cfg.critic_checkpoint)
+    critic = load_checkpoint(c_dir)
+    critic.eval()
+    c_before = critic_auroc(critic, eval_set)
+    cc, tc = cfg.critic_train, cfg.train
+    c_report = train_critic(critic, _model_config(c_dir), mixed, ctx.out_dir / "critic", steps=int(cc.steps),
+                            batch_size=int(cc.batch_size), lr=float(cc.lr), max_minutes=cc.max_minutes,
+                            checkpoint_every=int(cc.steps), eval_every=int(cc.steps), resume=bool(cfg.resume),
+                            tensorboard=bool(tc.tensorboard), progress=bool(cfg.progress), seed=int(cfg.seed))
+    critic.eval()
+    return {"before": c_before, "after": critic_auroc(critic, eval_set), "train": c_report}
+
+
+def run(cfg: DictConfig, ctx: RunContext) -> dict:
+    from wmrl.kernel.checkpoint import load_checkpoint
+    from wmrl.kernel.storage import EpisodeStore
+    from worldmodels.data import EpisodeFrames, heldout_episodes
+    from worldmodels.train import train_world_model
+
+    wm_dir = ctx.path(cfg.worldmodel_checkpoint)
+    if not (wm_dir / "config.yaml").is_file():
+        raise ValueError(f"worldmodel_checkpoint={cfg.worldmodel_checkpoint!r}: no checkpoint folder at {wm_dir}")
+    model = load_checkpoint(wm_dir)
+    model.eval()
+    cams = list(model.cameras)
+
+    fstore = EpisodeStore.open(ctx.path(cfg.failures_store), mode="r")
+    fail_idx = _failed_episodes(fstore, cfg)
     missing = [c for c in cams if c not in fstore.cameras]
     if missing:
         raise ValueError(f"the world model needs cameras {missing}; {cfg.failures_store} has {list(fstore.cameras)}")
@@ -123,21 +149,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         "worldmodel": wm_report,
     }
     if cfg.get("critic_checkpoint"):
-        from worldmodels.evaluate import critic_auroc
-
-        c_dir = ctx.path(cfg.critic_checkpoint)
-        critic = load_checkpoint(c_dir)
-        critic.eval()
         eval_set = EpisodeFrames([fstore.episode(i, cams) for i in fail_idx] + [bstore.episode(i, cams) for i in ho],
                                  cameras=cams)
-        c_before = critic_auroc(critic, eval_set)
-        cc = cfg.critic_train
-        c_report = train_critic(critic, _model_config(c_dir), mixed, ctx.out_dir / "critic", steps=int(cc.steps),
-                                batch_size=int(cc.batch_size), lr=float(cc.lr), max_minutes=cc.max_minutes,
-                                checkpoint_every=int(cc.steps), eval_every=int(cc.steps), resume=bool(cfg.resume),
-                                tensorboard=bool(tc.tensorboard), progress=bool(cfg.progress), seed=int(cfg.seed))
-        critic.eval()
-        report["critic"] = {"before": c_before, "after": critic_auroc(critic, eval_set), "train": c_report}
+        report["critic"] = _refine_critic(cfg, ctx, mixed, eval_set)
     print(f"world-model error on recorded failures: {before['failures']:.5f} -> {after['failures']:.5f} "
           f"({100 * change['failures']:+.1f} %)")
     print(f"world-model error on the held-out set:  {before['heldout']:.5f} -> {after['heldout']:.5f} "

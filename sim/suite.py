@@ -53,7 +53,7 @@ class Suite:
         names = list(tasks) if tasks is not None else list(DEFAULT_TASKS)
         if not names:
             raise ValueError("a suite needs at least one task")
-        self.tasks: list[TaskSpec] = [t if isinstance(t, TaskSpec) else get_task(str(t)) for t in names]
+        self.tasks: list[TaskSpec] = [_as_task(t) for t in names]
         self._by_name = {t.name: t for t in self.tasks}
         if len(self._by_name) != len(self.tasks):
             raise ValueError(f"task names must be unique, got {[t.name for t in self.tasks]}")
@@ -126,6 +126,22 @@ class Suite:
                                                       "max_steps": t.max_steps} for t in self.tasks},
                 "cameras": list(self.cameras), "image_size": list(self.image_size),
                 "render": dict(self.render.__dict__), "fps": self.fps}
+
+
+def _as_task(t) -> TaskSpec:
+    """A built-in task name, a ``TaskSpec`` or the structured config Hydra makes of a ``TaskSpec``
+    (a dataclass) built from a ``_target_`` entry: back to the ``TaskSpec`` object."""
+    if isinstance(t, TaskSpec):
+        return t
+    if isinstance(t, str):
+        return get_task(t)
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(t):
+        obj = OmegaConf.to_object(t)
+        if isinstance(obj, TaskSpec):
+            return obj
+    raise ValueError(f"a suite task is a task name or a sim.tasks.TaskSpec (a _target_ entry), got {t!r}")
 
 
 def collect_seed(seed: int, task: str, i: int) -> int:

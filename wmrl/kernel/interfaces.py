@@ -5,7 +5,9 @@ tests over every implementation: ``tests/test_contracts.py``.
 
 A capability is a declared member, never a probe: a policy says ``supports_rtc = False`` rather than
 lacking a method, and a caller that needs an optional capability checks ``isinstance(x, FlowPolicy)``
-(a ``runtime_checkable`` protocol) instead of ``hasattr(x, "flow_matching_loss")``.
+(a ``runtime_checkable`` protocol) instead of ``hasattr(x, "flow_matching_loss")``. ``isinstance``
+looks members up statically (``inspect.getattr_static``, Python 3.12), so declare them as class
+attributes, instance attributes, methods or properties, not as ``nn.Module`` children or buffers.
 
 See ``wmrl.kernel.types`` for the shape legend and units.
 """
@@ -65,7 +67,8 @@ class SteerableFlowPolicy(Protocol):
     action_dim: int
     init_config: dict  # constructor arguments; ``init_config["cond_dim"]`` is ``C``
     action_space: Any  # the ActionSpace actions are clipped to
-    normalizer: Any  # ``normalizer.unnormalize("actions", x)`` maps normalised chunks to actions
+    # and a ``normalizer`` (``unnormalize("actions", x)``: normalised chunk -> actions). Not a declared
+    # member: an ``nn.Module`` child is invisible to ``isinstance``'s static lookup (Python 3.12).
 
     def encode(self, images: dict[str, torch.Tensor], proprio: torch.Tensor, tasks: list[str], *args, **kwargs) -> torch.Tensor:
         """Conditioning ``float32 (B, C)`` of an observation."""

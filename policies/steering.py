@@ -89,8 +89,8 @@ class LatentNoisePolicy(nn.Module):
 
             base = instantiate(base, _convert_="all")
         if not isinstance(base, SteerableFlowPolicy):
-            raise ValueError(f"LatentNoisePolicy steers a wmrl.kernel.interfaces.SteerableFlowPolicy (encode(), "
-                             f"velocity(), init_config: FlowVLAPolicy), got {type(base).__name__}")
+            raise ValueError(f"LatentNoisePolicy steers a flow policy (wmrl.kernel.interfaces.SteerableFlowPolicy: "
+                             f"encode(), velocity(), init_config, e.g. FlowVLAPolicy), got {type(base).__name__}")
         if float(bound) <= 0:
             raise ValueError(f"bound must be > 0, got {bound}")
         self.base = base

@@ -197,6 +197,7 @@ def test_policy_declares_its_capabilities(policy_case):
     name, pol, obs = policy_case
     flow, steerable = POLICIES[name]
     assert isinstance(pol, I.FlowPolicy) == flow and isinstance(pol, I.SteerableFlowPolicy) == steerable, name
+    assert isinstance(pol, I.SamplerPolicy) == (name != "fake"), name
     if flow:
         s = pol.sample(obs, torch.Generator().manual_seed(2))
         g = torch.Generator().manual_seed(3)
@@ -291,6 +292,7 @@ def _chunk_env(name: str):
 def test_chunk_env_contract_step_and_reset_slots(name):
     env, starts, h = _chunk_env(name)
     assert isinstance(env, I.ChunkEnv), name
+    assert isinstance(env, I.SimStateEnv) == (name == "sim"), name
     b, d = env.num_envs, env.action_dim
     with pytest.raises(ValueError):
         env.reset(starts[:1])

@@ -1,5 +1,5 @@
 """The six role protocols (Policy, ChunkEnv, WorldModel, ProgressCritic, Transport, Suite) and the
-capability protocols (FlowPolicy, SteerableFlowPolicy, RandomStreams). Implementations live in the
+capability protocols (FlowPolicy, SteerableFlowPolicy, SamplerPolicy, SimStateEnv, RandomStreams). Implementations live in the
 component packages and are put together only in ``wmrl/run/`` (the composition roots). Contract
 tests over every implementation: ``tests/test_contracts.py``.
 
@@ -78,6 +78,15 @@ class SteerableFlowPolicy(Protocol):
 
 
 @runtime_checkable
+class SamplerPolicy(Protocol):
+    """Capability: a policy whose sampling scheme is the swappable attribute ``sampler`` (a
+    ``policies.samplers`` object or ``policies.steering.LatentNoiseSampler``); evaluation and GRPO set
+    their own for a while (``FlowVLAPolicy``, ``LatentNoisePolicy``, ``LeRobotFlowPolicy``)."""
+
+    sampler: Any
+
+
+@runtime_checkable
 class ChunkEnv(Protocol):
     """A batched environment stepped one action chunk at a time (SimEnv and ImaginationEnv).
 
@@ -100,6 +109,16 @@ class ChunkEnv(Protocol):
 
     def step(self, actions: torch.Tensor) -> StepResult:
         """Execute ``actions`` ``float32 (B, H, D_a)``; raise ``ValueError`` on a wrong shape."""
+
+
+@runtime_checkable
+class SimStateEnv(Protocol):
+    """Capability: a ``ChunkEnv`` over a simulator that gives a slot's exact simulator state (e.g.
+    ``sim.env.SimEnv``: flattened MuJoCo state ``float64 (1 + nq + nv,)``), so a ``Start`` can carry it
+    (``Start.sim_state``) and an episode can be replayed from it."""
+
+    def sim_state(self, slot: int) -> Any:
+        """The state of ``slot`` now (a copy); ``RuntimeError`` for a slot never reset."""
 
 
 @runtime_checkable

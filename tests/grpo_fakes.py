@@ -54,6 +54,14 @@ class ToyReachEnv:
             self._reset_slot(i)
         return self._obs()
 
+    def reset_slots(self, slots, starts):  # wmrl.kernel.interfaces.ChunkEnv
+        if len(slots) != len(starts) or any(not 0 <= int(i) < self.num_envs for i in slots):
+            raise ValueError("reset_slots: one start per slot, slots in range")
+        for i, s in zip(slots, starts):
+            self.starts[int(i)] = s
+            self._reset_slot(int(i))
+        return self._obs()
+
     def step(self, actions):
         if actions.shape != (self.num_envs, actions.shape[1], self.action_dim):
             raise ValueError(f"bad actions shape {tuple(actions.shape)}")

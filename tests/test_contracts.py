@@ -269,8 +269,8 @@ def test_progress_critic_contract():
 
 
 # ---------------------------------------------------------------------- ChunkEnv: every implementation
-# SimEnv (the tiny suite at 16 x 16, one camera) and ImaginationEnv over each world model.
-CHUNK_ENVS = ["sim", "imagination_chunk_flow", "imagination_constant"]
+# SimEnv (the tiny suite at 16 x 16, one camera), ImaginationEnv over each world model and the GRPO test fake.
+CHUNK_ENVS = ["sim", "imagination_chunk_flow", "imagination_constant", "fake"]
 
 
 def _chunk_env(name: str):
@@ -280,6 +280,10 @@ def _chunk_env(name: str):
 
         suite = Suite(tasks=["lift_red"], cameras=[AGENTVIEW], image_size=(16, 16))
         return suite.make_env(2, auto_reset=True), [suite.eval_start("lift_red", j) for j in range(3)], 4
+    if name == "fake":
+        from grpo_fakes import ToyReachEnv, toy_starts
+
+        return ToyReachEnv(2), toy_starts(2)[1:], 4
     from wmrl.imagination import ImaginationEnv
 
     obs = synthetic_obs(3)

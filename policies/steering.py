@@ -28,6 +28,7 @@ from torch import nn
 
 from policies.action_space import clip_to_space
 from policies.samplers import EulerODESampler, gaussian_log_prob
+from wmrl.kernel.interfaces import SteerableFlowPolicy
 from wmrl.kernel.types import Obs, PolicySample
 
 
@@ -74,7 +75,12 @@ class LatentNoisePolicy(nn.Module):
     space), ``log_prob`` ``float32 (B,)`` and ``extras``: ``latent_noise`` ``float32 (B, H, D_a)``,
     ``cond`` ``float32 (B, C)`` (the frozen conditioning, so ``log_prob`` need not re-encode images),
     ``latent_std`` ``float32 (B,)``.
+
+    ``supports_rtc`` is ``False``: the chunk is a deterministic ODE image of the steered noise, with no
+    prefix guidance.
     """
+
+    supports_rtc = False
 
     def __init__(self, base: Any, hidden: int = 256, bound: float = 1.5, sampler: LatentNoiseSampler | None = None):
         super().__init__()
@@ -82,9 +88,9 @@ class LatentNoisePolicy(nn.Module):
             from hydra.utils import instantiate
 
             base = instantiate(base, _convert_="all")
-        if not hasattr(base, "encode") or not hasattr(base, "velocity"):
-            raise ValueError(f"LatentNoisePolicy steers a flow policy with encode() and velocity() "
-                             f"(FlowVLAPolicy), got {type(base).__name__}")
+        if not isinstance(base, SteerableFlowPolicy):
+            raise ValueError(f"LatentNoisePolicy steers a flow policy (wmrl.kernel.interfaces.SteerableFlowPolicy: "
+                             f"encode(), velocity(), init_config, e.g. FlowVLAPolicy), got {type(base).__name__}")
         if float(bound) <= 0:
             raise ValueError(f"bound must be > 0, got {bound}")
         self.base = base

@@ -171,6 +171,8 @@ class SimEnv:
         auto_reset: reset finished slots automatically (see module docstring).
         next_start: ``slot -> Start`` used by auto-reset; default: the slot's last ``Start``.
         device: where observation tensors are put.
+        tasks: ``task_name -> TaskSpec`` resolving ``Start.task_name`` (``Suite.task``, which knows
+            the suite's own task classes); default: the built-in ``sim.tasks.get_task``.
 
     Obs: images ``uint8 (B, 3, Hi, Wi)`` per camera, proprio ``float32 (B, 9)``, task = instructions.
     """
@@ -180,7 +182,8 @@ class SimEnv:
     def __init__(self, num_envs: int, init_states: Callable[[str, str, int], np.ndarray],
                  cameras: Sequence[str] = (AGENTVIEW, EYE_IN_HAND), image_size: tuple[int, int] = (64, 64),
                  render: RenderSettings | dict | None = None, auto_reset: bool = True,
-                 next_start: Callable[[int], Start] | None = None, device: str | torch.device = "cpu"):
+                 next_start: Callable[[int], Start] | None = None, device: str | torch.device = "cpu",
+                 tasks: Callable[[str], TaskSpec] | None = None):
         if int(num_envs) < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         self.num_envs = int(num_envs)
@@ -191,6 +194,7 @@ class SimEnv:
         self.auto_reset = bool(auto_reset)
         self.next_start = next_start
         self.device = torch.device(device)
+        self._tasks = get_task if tasks is None else tasks
         self._envs: list[dict[str, TaskEnv]] = [dict() for _ in range(self.num_envs)]
         self._active: list[TaskEnv | None] = [None] * self.num_envs
         self._starts: list[Start | None] = [None] * self.num_envs
@@ -225,7 +229,7 @@ class SimEnv:
         return self.task_env(slot).elapsed
 
     def _reset_slot(self, slot: int, start: Start) -> None:
-        task = get_task(start.task_name)
+        task = self._tasks(start.task_name)
         if start.sim_state is not None:
             state = np.asarray(start.sim_state, dtype=np.float64)
         elif start.init_index is not None:

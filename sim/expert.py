@@ -224,13 +224,14 @@ class ExpertActor:
     chunk_size = 1
     needs_images = False
 
-    def __init__(self, noise: float = 0.0, rotation_noise: float = 1.0):
+    def __init__(self, noise: float = 0.0, rotation_noise: float = 1.0, tasks=None):
         self.noise = float(noise)
         self.rotation_noise = float(rotation_noise)
+        self._tasks = get_task if tasks is None else tasks  # task_name -> TaskSpec (Suite.task)
         self._experts: dict[int, ScriptedExpert] = {}
 
     def begin(self, slot: int, task_name: str, seed: int) -> None:
-        self._experts[slot] = ScriptedExpert(task_name, self.noise, seed, self.rotation_noise)
+        self._experts[slot] = ScriptedExpert(self._tasks(task_name), self.noise, seed, self.rotation_noise)
 
     def act(self, env, obs, active) -> "torch.Tensor":
         import torch

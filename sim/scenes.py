@@ -38,7 +38,6 @@ def _scene_class():
     _backend.robosuite()
     from robosuite.environments.manipulation.manipulation_env import ManipulationEnv
     from robosuite.models.arenas import TableArena
-    from robosuite.models.objects import BoxObject, CylinderObject
     from robosuite.models.tasks import ManipulationTask
 
     class TabletopScene(ManipulationEnv):
@@ -77,21 +76,7 @@ def _scene_class():
             arena = TableArena(table_full_size=TABLE_SIZE, table_friction=(1.0, 5e-3, 1e-4),
                                table_offset=TABLE_OFFSET)
             arena.set_origin([0, 0, 0])
-            self.objects = OrderedDict()
-            self.objects["red"] = BoxObject(name="red_cube", size=[RED_HALF] * 3, rgba=[0.85, 0.1, 0.1, 1],
-                                            density=500.0)
-            if self.scene == "two_cubes":
-                self.objects["green"] = BoxObject(name="green_cube", size=[GREEN_HALF] * 3,
-                                                  rgba=[0.1, 0.7, 0.15, 1], density=500.0)
-            else:
-                slide = dict(type="slide", damping="1", limited="false")
-                self.objects["target"] = CylinderObject(
-                    name="target", size=[TARGET_RADIUS, TARGET_HALF_HEIGHT], rgba=[0.1, 0.7, 0.15, 1],
-                    obj_type="all", density=100.0,
-                    joints=[dict(slide, name="tx", axis="1 0 0"), dict(slide, name="ty", axis="0 1 0")],
-                )
-                # the slide joints move it in x/y from the origin; its height is fixed on the table top
-                self.objects["target"].get_obj().set("pos", f"0 0 {TABLE_TOP + TARGET_HALF_HEIGHT + 0.0005}")
+            self.objects = _scene_objects(self.scene)
             self.model = ManipulationTask(mujoco_arena=arena, mujoco_robots=[r.robot_model for r in self.robots],
                                           mujoco_objects=list(self.objects.values()))
 
@@ -115,6 +100,27 @@ def _scene_class():
 
 
 _CLS: dict = {}
+
+
+def _scene_objects(scene: str) -> OrderedDict:
+    """The robosuite objects of ``scene`` by name (``red``, then ``green`` or ``target``)."""
+    from robosuite.models.objects import BoxObject, CylinderObject
+
+    objects = OrderedDict()
+    objects["red"] = BoxObject(name="red_cube", size=[RED_HALF] * 3, rgba=[0.85, 0.1, 0.1, 1], density=500.0)
+    if scene == "two_cubes":
+        objects["green"] = BoxObject(name="green_cube", size=[GREEN_HALF] * 3, rgba=[0.1, 0.7, 0.15, 1],
+                                     density=500.0)
+    else:
+        slide = dict(type="slide", damping="1", limited="false")
+        objects["target"] = CylinderObject(
+            name="target", size=[TARGET_RADIUS, TARGET_HALF_HEIGHT], rgba=[0.1, 0.7, 0.15, 1],
+            obj_type="all", density=100.0,
+            joints=[dict(slide, name="tx", axis="1 0 0"), dict(slide, name="ty", axis="0 1 0")],
+        )
+        # the slide joints move it in x/y from the origin; its height is fixed on the table top
+        objects["target"].get_obj().set("pos", f"0 0 {TABLE_TOP + TARGET_HALF_HEIGHT + 0.0005}")
+    return objects
 
 
 def controller_config() -> dict:

@@ -5,12 +5,17 @@ Build it from Hydra (``configs/suite/default.yaml`` has ``_target_: sim.suite.Su
     suite = Suite(tasks=["lift_red", "push_red_to_target"], image_size=(64, 64))
     env = suite.make_env(num_envs=4)                      # SimEnv (a ChunkEnv)
     obs = env.reset([suite.eval_start("lift_red", j) for j in range(4)])
+
+``Suite`` implements ``wmrl.kernel.interfaces.Suite``. A task is a built-in name (``sim.tasks.TASKS``)
+or a ``sim.tasks.TaskSpec`` object, so a new task is a ``TaskSpec`` subclass plus a YAML entry in
+the suite's ``tasks`` list (``{_target_: my_pkg.MyTask, name: ..., scene: ..., ...}``, built by
+Hydra); no registry to edit (example: ``tests/examples/lift_high_task.py``).
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -26,7 +31,8 @@ class Suite:
     """A set of tasks with stored init states and the observation settings of its environments.
 
     Args:
-        tasks: task names (default: all four; see ``sim.tasks.TASKS``).
+        tasks: task names (default: all four; see ``sim.tasks.TASKS``) or ``TaskSpec`` objects (a
+            ``TaskSpec`` subclass overrides ``success`` / ``failed`` for a new task on a stored scene).
         cameras: observation cameras (``agentview``, ``robot0_eye_in_hand``); may be empty.
         image_size: ``(Hi, Wi)`` of observation images (64 x 64 by default).
         render: render effects, a dict of ``sim.render.RenderSettings`` fields.
@@ -34,20 +40,23 @@ class Suite:
         name: suite name for reports.
 
     Raises:
-        ValueError: unknown task, empty task list, bad image size, unknown render setting.
+        ValueError: unknown task, empty or duplicated task names, bad image size, unknown render setting.
     """
 
     fps = 20
     action_space: ActionSpace = PANDA_OSC_POSE
     state_dim = 9
 
-    def __init__(self, tasks: Sequence[str] | None = None, cameras: Sequence[str] = (AGENTVIEW, EYE_IN_HAND),
+    def __init__(self, tasks: Sequence[str | TaskSpec] | None = None, cameras: Sequence[str] = (AGENTVIEW, EYE_IN_HAND),
                  image_size: Sequence[int] = (64, 64), render: dict | None = None,
                  init_states_path: str | None = None, name: str = "default"):
         names = list(tasks) if tasks is not None else list(DEFAULT_TASKS)
         if not names:
             raise ValueError("a suite needs at least one task")
-        self.tasks: list[TaskSpec] = [get_task(t) for t in names]
+        self.tasks: list[TaskSpec] = [_as_task(t) for t in names]
+        self._by_name = {t.name: t for t in self.tasks}
+        if len(self._by_name) != len(self.tasks):
+            raise ValueError(f"task names must be unique, got {[t.name for t in self.tasks]}")
         self.cameras = tuple(str(c) for c in cameras)
         for c in self.cameras:
             if c not in (AGENTVIEW, EYE_IN_HAND):
@@ -65,12 +74,17 @@ class Suite:
         return [t.name for t in self.tasks]
 
     def task(self, name: str) -> TaskSpec:
-        if name not in self.task_names:
+        """The ``TaskSpec`` of ``name``; ``ValueError`` for a task not in the suite."""
+        if name not in self._by_name:
             raise ValueError(f"task {name!r} is not in suite {self.name!r} (tasks: {self.task_names})")
-        return get_task(name)
+        return self._by_name[name]
 
     def instruction(self, name: str) -> str:
         return self.task(name).instruction
+
+    def max_steps(self, name: str) -> int:
+        """Control-step limit of an episode of ``name`` (reaching it truncates)."""
+        return int(self.task(name).max_steps)
 
     # ------------------------------------------------------------------ init states
     def num_init_states(self, task: str, split: str) -> int:
@@ -98,13 +112,13 @@ class Suite:
 
         return SimEnv(num_envs, self.init_state, cameras=self.cameras if cameras is None else tuple(cameras),
                       image_size=self.image_size, render=self.render, auto_reset=auto_reset,
-                      next_start=next_start, device=device)
+                      next_start=next_start, device=device, tasks=self.task)
 
     def make_expert(self, noise: float = 0.0):
         """The scripted experts as an evaluation actor (``sim.expert.ExpertActor``)."""
         from sim.expert import ExpertActor
 
-        return ExpertActor(noise)
+        return ExpertActor(noise, tasks=self.task)
 
     def describe(self) -> dict:
         """JSON-able description for reports and store metadata."""
@@ -112,6 +126,22 @@ class Suite:
                                                       "max_steps": t.max_steps} for t in self.tasks},
                 "cameras": list(self.cameras), "image_size": list(self.image_size),
                 "render": dict(self.render.__dict__), "fps": self.fps}
+
+
+def _as_task(t) -> TaskSpec:
+    """A built-in task name, a ``TaskSpec`` or the structured config Hydra makes of a ``TaskSpec``
+    (a dataclass) built from a ``_target_`` entry: back to the ``TaskSpec`` object."""
+    if isinstance(t, TaskSpec):
+        return t
+    if isinstance(t, str):
+        return get_task(t)
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(t):
+        obj = OmegaConf.to_object(t)
+        if isinstance(obj, TaskSpec):
+            return obj
+    raise ValueError(f"a suite task is a task name or a sim.tasks.TaskSpec (a _target_ entry), got {t!r}")
 
 
 def collect_seed(seed: int, task: str, i: int) -> int:

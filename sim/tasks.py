@@ -24,6 +24,13 @@ FALL_Z = TABLE_TOP - 0.05  # below this an object has left the table: failure
 class TaskSpec:
     """One task of the suite.
 
+    A new task on a stored scene is a subclass (a frozen dataclass too) that overrides
+    :meth:`success` (and :meth:`failed` if needed), listed in a suite config's ``tasks`` as
+    ``{_target_: my_pkg.MyTask, name: ..., scene: ..., instruction: ..., max_steps: ..., kind: ..., obj: ...}``;
+    ``sim.suite.Suite`` resolves it by name, nothing is registered. ``kind`` also picks the scripted
+    expert (``sim.expert``: ``lift`` / ``stack`` / ``push``), so a subclass with one of those kinds can
+    be collected with the experts. Example: ``tests/examples/lift_high_task.py``.
+
     Attributes:
         name: task id (``lift_red``...).
         scene: scene name (``sim.scenes.SCENES``).

@@ -54,6 +54,14 @@ class ToyReachEnv:
             self._reset_slot(i)
         return self._obs()
 
+    def reset_slots(self, slots, starts):  # wmrl.kernel.interfaces.ChunkEnv
+        if len(slots) != len(starts) or any(not 0 <= int(i) < self.num_envs for i in slots):
+            raise ValueError("reset_slots: one start per slot, slots in range")
+        for i, s in zip(slots, starts):
+            self.starts[int(i)] = s
+            self._reset_slot(int(i))
+        return self._obs()
+
     def step(self, actions):
         if actions.shape != (self.num_envs, actions.shape[1], self.action_dim):
             raise ValueError(f"bad actions shape {tuple(actions.shape)}")
@@ -93,6 +101,8 @@ class NoisyToyEnv(ToyReachEnv):
 
 
 class GaussianChunkPolicy(torch.nn.Module):
+    supports_rtc = False  # wmrl.kernel.interfaces.Policy
+
     def __init__(self, chunk_size: int = 4, action_dim: int = 3, obs_dim: int = 6, init_std: float = 0.6, seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)

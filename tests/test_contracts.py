@@ -1,7 +1,12 @@
-"""Contract tests: every implementation of a shared contract is checked here.
+"""Contract tests: every implementation of a shared contract is checked here, parametrized over the
+implementations (as LeRobot's policy tests are), so a new implementation joins by adding one entry.
 
-Sections: EpisodeStore (below). Other packages add their protocol implementations
-(WorldModel, ProgressCritic, Policy, ChunkEnv, Transport) in their own sections.
+Sections: EpisodeStore; ChunkEnv semantics of SimEnv; Policy (FlowVLAPolicy, LatentNoisePolicy,
+LeRobotFlowPolicy, the GRPO test fake) and its declared capabilities; WorldModel (ChunkFlowWorldModel
+and the example ConstantWorldModel) and ProgressCritic; ChunkEnv (SimEnv, ImaginationEnv over each
+world model); Suite (every configs/suite/*.yaml and the example suite with a new task); Transport.
+The examples in ``tests/examples/`` show that a world model and a task are each one class plus one
+YAML file, with no edit to shared code.
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ def test_window_batch_converts_to_obs(tmp_path):
 
 # ---------------------------------------------------------------------- ChunkEnv: sim.env.SimEnv
 # (section owned by the sim package)
-def _simenv_lifted_start(suite):
-    """A lift_red start whose cube is already 10 cm up: the task succeeds at the first inner step."""
+def _simenv_lifted_start(suite, dz: float = 0.10):
+    """A lift_red start whose cube is already ``dz`` m up: the task succeeds at the first inner step."""
     from sim.env import TaskEnv
     from wmrl.kernel.types import Start
 
@@ -52,7 +57,7 @@ def _simenv_lifted_start(suite):
     env.reset("lift_red", suite.init_state("lift_red", "eval", 0))
     jnt = env.rs.objects["red"].joints[0]
     q = env.sim.data.get_joint_qpos(jnt).copy()
-    q[2] += 0.10
+    q[2] += dz
     env.sim.data.set_joint_qpos(jnt, q)
     env.sim.forward()
     return Start("lift_red", "lift the red cube", sim_state=env.sim_state())
@@ -80,82 +85,307 @@ def test_simenv_is_a_chunk_env_with_inner_step_termination_and_partial_auto_rese
         env.step(torch.zeros(2, 7))
 
 
-# ---------------------------------------------------------------------- Policy: policies.flow_vla.FlowVLAPolicy
-# (section owned by the policies package; the LeRobot adapters are checked in test_lerobot_adapters.py)
+# ---------------------------------------------------------------------- shared fixtures of the role sections
+import json
+from pathlib import Path
+
+import pytest
+
+from wmrl.kernel import interfaces as I
+from wmrl.kernel.types import PolicySample, Start
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = Path(__file__).resolve().parent / "examples" / "configs"
 
 
-def test_flow_vla_policy_contract():
-    from policies.flow_vla import FlowVLAPolicy
-    from policies.samplers import SDESampler
-    from wmrl.kernel.interfaces import Policy
+def compose(config_name: str, overrides: list[str]):
+    """The project's Hydra config ``config_name`` with ``tests/examples/configs`` on the search path
+    (how a user adds a config group entry without editing ``configs/``)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        return hydra_compose(config_name, overrides=[*overrides, f"hydra.searchpath=[file://{EXAMPLES}]"])
+
+
+def synthetic_obs(b: int = 3, size: int = 32) -> Obs:
+    """First frames of ``b`` episodes of the 2-D toy (``worldmodels.synthetic``): both cameras, ``D_s = 9``."""
+    from worldmodels.synthetic import make_episode
+
+    eps = [make_episode(seed=i, length=2, size=size) for i in range(b)]
+    return Obs({c: torch.from_numpy(np.stack([e.images[c][0] for e in eps])) for c in (AGENTVIEW, EYE_IN_HAND)},
+               torch.from_numpy(np.stack([e.proprio[0] for e in eps])).float(),
+               [e.instruction for e in eps]).validate()
+
+
+def _norm_stats():
     from wmrl.kernel.storage import NormStats
-    from wmrl.kernel.types import Obs
 
     rng = np.random.default_rng(0)
-    pol = FlowVLAPolicy(cameras=["agentview"], image_size=[16, 16], chunk_size=4,
-                        encoder={"kind": "conv", "channels": [8, 16], "out_dim": 16}, lang_dim=16, proprio_dim=8,
-                        cond_dim=32, head_width=32, head_depth=1, time_dim=16,
-                        sampler=SDESampler(num_steps=3, noise_level=0.5))
-    pol.set_norm_stats(NormStats.from_data({"proprio": rng.standard_normal((64, 9)),
-                                            "actions": rng.uniform(-1, 1, (64, 7))})).eval()
-    assert isinstance(pol, Policy) and pol.chunk_size == 4 and pol.action_dim == 7
+    return NormStats.from_data({"proprio": rng.standard_normal((64, 9)), "actions": rng.uniform(-1, 1, (64, 7))})
+
+
+# ---------------------------------------------------------------------- Policy: every implementation
+# FlowVLAPolicy, LatentNoisePolicy (steering a FlowVLAPolicy), LeRobotFlowPolicy (tiny SmolVLA) and the
+# GRPO test fake. ``flow`` / ``steerable``: the capability protocols each one declares.
+POLICIES = {"flow_vla": (True, True), "latent_noise": (False, False), "lerobot_smolvla": (False, False),
+            "fake": (False, False)}
+
+
+def _flow_vla(sampler):
+    from policies.flow_vla import FlowVLAPolicy
+
+    torch.manual_seed(0)
+    return FlowVLAPolicy(cameras=[AGENTVIEW], image_size=[16, 16], chunk_size=4,
+                         encoder={"kind": "conv", "channels": [8, 16], "out_dim": 16}, lang_dim=16, proprio_dim=8,
+                         cond_dim=32, head_width=32, head_depth=1, time_dim=16,
+                         sampler=sampler).set_norm_stats(_norm_stats()).eval()
+
+
+@pytest.fixture(scope="module", params=list(POLICIES))
+def policy_case(request, tmp_path_factory):
+    """``(name, policy in eval mode with a stochastic sampler, obs of batch 3)``."""
+    from policies.samplers import EulerODESampler, SDESampler
+
     g = torch.Generator().manual_seed(0)
-    obs = Obs({"agentview": torch.randint(0, 256, (3, 3, 16, 16), dtype=torch.uint8, generator=g)},
-              torch.randn(3, 9, generator=g), ["lift the red cube"] * 3).validate()
+    img = {AGENTVIEW: torch.randint(0, 256, (3, 3, 16, 16), dtype=torch.uint8, generator=g)}
+    obs = Obs(img, torch.randn(3, 9, generator=g), ["lift the red cube"] * 3).validate()
+    name = request.param
+    if name == "flow_vla":
+        pol = _flow_vla(SDESampler(num_steps=3, noise_level=0.5))
+    elif name == "latent_noise":
+        from policies.steering import LatentNoisePolicy, LatentNoiseSampler
+
+        pol = LatentNoisePolicy(_flow_vla(EulerODESampler(3, noise_scale=0.0)), hidden=16,
+                                sampler=LatentNoiseSampler(0.5, 3)).eval()
+    elif name == "lerobot_smolvla":
+        from policies.lerobot_tiny import tiny_smolvla
+
+        torch.manual_seed(0)
+        pol = tiny_smolvla(tmp_path_factory.mktemp("smolvlm"), cameras=(AGENTVIEW,), image_size=(16, 16),
+                           chunk_size=4, num_steps=2, sampler=SDESampler(2, 0.5)).set_norm_stats(_norm_stats()).eval()
+    else:
+        from grpo_fakes import GaussianChunkPolicy
+
+        pol = GaussianChunkPolicy(chunk_size=4, action_dim=3, obs_dim=9)
+    return name, pol, obs
+
+
+def test_policy_contract_sample_and_log_prob(policy_case):
+    name, pol, obs = policy_case
+    assert isinstance(pol, I.Policy), name
+    assert isinstance(pol.chunk_size, int) and isinstance(pol.action_dim, int) and isinstance(pol.supports_rtc, bool)
+    h, d = pol.chunk_size, pol.action_dim
     s = pol.sample(obs, torch.Generator().manual_seed(1))
-    assert s.actions.shape == (3, 4, 7) and s.actions.dtype == torch.float32
+    assert isinstance(s, PolicySample)
+    assert s.actions.shape == (3, h, d) and s.actions.dtype == torch.float32 and torch.isfinite(s.actions).all()
     assert s.log_prob.shape == (3,) and s.log_prob.dtype == torch.float32
-    assert all(v.shape[0] == 3 for v in s.extras.values())  # extras batch-indexable
+    assert all(v.shape[0] == 3 for v in s.extras.values())  # extras are batch-indexable
+    again = pol.sample(obs, torch.Generator().manual_seed(1))
+    assert torch.equal(again.actions, s.actions)  # seeded
     lp = pol.log_prob(obs, s)
-    assert lp.requires_grad and torch.equal(torch.exp(lp - s.log_prob), torch.ones(3))
-    # GRPO recomputes on minibatches: the log-prob of a subset matches (up to float rounding)
+    assert lp.shape == (3,) and lp.dtype == torch.float32 and lp.requires_grad
+    assert torch.allclose(lp, s.log_prob, atol=1e-4, rtol=0)  # ratio 1 at unchanged parameters
+    per = pol.log_prob(obs, s, per_step=True)
+    assert per.ndim == 2 and per.shape[0] == 3 and per.shape[1] >= 1 and per.dtype == torch.float32
+    # GRPO recomputes on minibatches: the log-prob of a subset matches
     sub = pol.log_prob(obs.index([0, 2]), s.index(torch.tensor([0, 2])))
     assert torch.allclose(sub, s.log_prob[[0, 2]], atol=1e-3)
 
 
-# ---------------------------------------------------------------------- WorldModel / ProgressCritic / ChunkEnv:
-# worldmodels.video_wm.ChunkFlowWorldModel, worldmodels.critic.ProgressValueCritic, wmrl.imagination.ImaginationEnv
-# (section owned by the worldmodels package)
+def test_policy_declares_its_capabilities(policy_case):
+    name, pol, obs = policy_case
+    flow, steerable = POLICIES[name]
+    assert isinstance(pol, I.FlowPolicy) == flow and isinstance(pol, I.SteerableFlowPolicy) == steerable, name
+    assert isinstance(pol, I.SamplerPolicy) == (name != "fake"), name
+    if flow:
+        s = pol.sample(obs, torch.Generator().manual_seed(2))
+        g = torch.Generator().manual_seed(3)
+        t, eps = torch.rand(3, 2, generator=g), torch.randn(3, 2, pol.chunk_size, pol.action_dim, generator=g)
+        loss = pol.flow_matching_loss(obs, s, t, eps)
+        assert loss.shape == (3,) and loss.dtype == torch.float32 and loss.requires_grad and (loss >= 0).all()
+    if steerable:
+        cond = pol.encode(obs.images, obs.proprio, obs.task)
+        assert cond.shape == (3, int(pol.init_config["cond_dim"]))
+        v = pol.velocity(torch.zeros(3, pol.chunk_size, pol.action_dim), torch.ones(3), cond)
+        assert v.shape == (3, pol.chunk_size, pol.action_dim)
 
 
-def test_worldmodel_critic_and_imagination_env_contracts():
-    import pytest
+# ---------------------------------------------------------------------- WorldModel / ProgressCritic: every implementation
+# ChunkFlowWorldModel (configs/worldmodel/tiny.yaml) and the example ConstantWorldModel, added by one class
+# and one YAML file (tests/examples/), built through the project's Hydra config like any world model.
+
+
+def _world_model(name: str):
+    from hydra.utils import instantiate
+
+    if name == "chunk_flow":
+        wm = instantiate(compose("train_worldmodel", ["worldmodel=tiny"]).worldmodel, _convert_="all").eval()
+        wm.set_norm_stats(torch.randn(16, 9, generator=torch.Generator().manual_seed(0)),
+                          torch.randn(16, 9, generator=torch.Generator().manual_seed(1)))
+        return wm
+    return instantiate(compose("train_worldmodel", ["worldmodel=constant"]).worldmodel, _convert_="all")
+
+
+def _critic():
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from wmrl.imagination import ImaginationEnv
-    from wmrl.kernel.interfaces import ChunkEnv, ProgressCritic, WorldModel
-    from wmrl.kernel.types import Start
+    cr = instantiate(OmegaConf.load(ROOT / "configs/critic/tiny.yaml"), _convert_="all").eval()
+    cr.set_norm_stats(torch.randn(16, 9, generator=torch.Generator().manual_seed(2)))
+    return cr
 
-    wm = instantiate(OmegaConf.load("configs/worldmodel/tiny.yaml"), _convert_="all").eval()
-    wm.set_norm_stats(torch.randn(16, 9), torch.randn(16, 9))
-    cr = instantiate(OmegaConf.load("configs/critic/tiny.yaml"), _convert_="all").eval()
-    cr.set_norm_stats(torch.randn(16, 9))
-    assert isinstance(wm, WorldModel) and isinstance(cr, ProgressCritic)
-    g = torch.Generator().manual_seed(0)
-    obs = Obs({c: torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8, generator=g) for c in (AGENTVIEW, EYE_IN_HAND)},
-              torch.randn(3, 9, generator=g), ["lift the red cube"] * 3).validate()
+
+@pytest.mark.parametrize("name", ["chunk_flow", "constant"])
+def test_world_model_contract(name):
+    wm = _world_model(name)
+    assert isinstance(wm, I.WorldModel), name
+    assert isinstance(wm.action_dim, int) and isinstance(wm.chunk_size, int) and wm.context_frames >= 1
+    obs = synthetic_obs(3)
     state = wm.init(obs)
-    state2, pred = wm.imagine(state, torch.zeros(3, wm.chunk_size, 7), generator=torch.Generator().manual_seed(1))
+    acts = torch.rand(3, wm.chunk_size, wm.action_dim, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    state2, pred = wm.imagine(state, acts, generator=torch.Generator().manual_seed(1))
     pred.validate()
-    assert pred.images[AGENTVIEW].shape == (3, 3, 32, 32) and pred.proprio.dtype == torch.float32
-    wm.imagine(state, torch.zeros(3, wm.chunk_size, 7))          # the old state is still usable (explicit state)
-    p, s = cr.progress(pred), cr.success_prob(pred)
-    assert p.shape == s.shape == (3,) and ((p >= 0) & (p <= 1)).all() and ((s >= 0) & (s <= 1)).all()
-    env = ImaginationEnv(wm, cr, num_envs=3, max_chunks=2, success_threshold=2.0)
-    assert isinstance(env, ChunkEnv) and env.num_envs == 3 and env.action_dim == 7
-    starts = [Start("lift_red", "lift the red cube", context=obs.index([i])) for i in range(3)]
-    env.reset(starts).validate()
-    r1 = env.step(torch.zeros(3, wm.chunk_size, 7))
-    r1.obs.validate()
-    assert r1.reward.dtype == torch.float32 and r1.steps_executed.dtype == torch.int64
-    assert r1.steps_executed.tolist() == [wm.chunk_size] * 3 and not r1.done.any()
-    r2 = env.step(torch.zeros(3, wm.chunk_size, 7))
-    assert r2.truncated.all() and not r2.terminated.any() and "final_obs" in r2.info
-    # auto-reset brought every slot back to its start frame
-    assert torch.equal(r2.obs.images[AGENTVIEW], obs.images[AGENTVIEW])
+    assert set(pred.images) == set(obs.images) and pred.task == obs.task
+    assert all(v.dtype == torch.uint8 and v.shape == obs.images[c].shape for c, v in pred.images.items())
+    assert pred.proprio.dtype == torch.float32 and pred.proprio.shape == (3, 9)
+    # explicit state: the old state is still usable and the same seed gives the same prediction
+    _, again = wm.imagine(state, acts, generator=torch.Generator().manual_seed(1))
+    assert all(torch.equal(again.images[c], pred.images[c]) for c in pred.images)
+    wm.imagine(state2, acts, generator=torch.Generator().manual_seed(2))[1].validate()
     with pytest.raises(ValueError):
-        env.step(torch.zeros(3, 7))
+        wm.imagine(state, torch.zeros(3, wm.chunk_size + 1, wm.action_dim))
+
+
+def test_progress_critic_contract():
+    cr = _critic()
+    assert isinstance(cr, I.ProgressCritic)
+    obs = synthetic_obs(3)
+    p, s = cr.progress(obs), cr.success_prob(obs)
+    assert p.shape == s.shape == (3,) and p.dtype == s.dtype == torch.float32
+    assert ((p >= 0) & (p <= 1)).all() and ((s >= 0) & (s <= 1)).all()
+    ep, es = cr.evaluate(obs)
+    assert torch.allclose(ep, p, atol=1e-6) and torch.allclose(es, s, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- ChunkEnv: every implementation
+# SimEnv (the tiny suite at 16 x 16, one camera), ImaginationEnv over each world model and the GRPO test fake.
+CHUNK_ENVS = ["sim", "imagination_chunk_flow", "imagination_constant", "fake"]
+
+
+def _chunk_env(name: str):
+    """``(env with B = 2, three starts, the chunk length H it takes)``."""
+    if name == "sim":
+        from sim.suite import Suite
+
+        suite = Suite(tasks=["lift_red"], cameras=[AGENTVIEW], image_size=(16, 16))
+        return suite.make_env(2, auto_reset=True), [suite.eval_start("lift_red", j) for j in range(3)], 4
+    if name == "fake":
+        from grpo_fakes import ToyReachEnv, toy_starts
+
+        return ToyReachEnv(2), toy_starts(2)[1:], 4
+    from wmrl.imagination import ImaginationEnv
+
+    obs = synthetic_obs(3)
+    starts = [Start("lift_red", obs.task[i], context=obs.index([i])) for i in range(3)]
+    wm = _world_model(name.split("_", 1)[1])
+    return ImaginationEnv(wm, _critic(), num_envs=2, max_chunks=3, success_threshold=2.0), starts, wm.chunk_size
+
+
+@pytest.mark.parametrize("name", CHUNK_ENVS)
+def test_chunk_env_contract_step_and_reset_slots(name):
+    env, starts, h = _chunk_env(name)
+    assert isinstance(env, I.ChunkEnv), name
+    assert isinstance(env, I.SimStateEnv) == (name == "sim"), name
+    b, d = env.num_envs, env.action_dim
+    with pytest.raises(ValueError):
+        env.reset(starts[:1])
+    obs0 = env.reset(starts[:2]).validate()
+    assert obs0.batch_size == b
+    res = env.step(torch.zeros(b, h, d))
+    res.obs.validate()
+    assert res.reward.dtype == torch.float32 and res.reward.shape == (b,)
+    assert all(x.dtype == torch.bool and x.shape == (b,) for x in (res.terminated, res.truncated, res.success))
+    assert res.steps_executed.dtype == torch.int64 and ((res.steps_executed >= 1) & (res.steps_executed <= h)).all()
+    assert torch.equal(res.done, res.terminated | res.truncated) and res.info["final_obs"].batch_size == b
+    # reset_slots resets only the given slots (to the same frames a full reset gives) and returns the whole batch
+    fresh = env.reset_slots([1], [starts[2]]).validate()
+    ref = _chunk_env(name)[0]
+    want = ref.reset([starts[0], starts[2]])
+    assert fresh.batch_size == b and fresh.task[1] == want.task[1]
+    for c in fresh.images:
+        assert torch.equal(fresh.images[c][1], want.images[c][1])
+        assert torch.equal(fresh.images[c][0], res.obs.images[c][0])
+    assert env.step(torch.zeros(b, h, d)).steps_executed.shape == (b,)
+    with pytest.raises(ValueError):
+        env.reset_slots([0, 1], starts[:1])
+    with pytest.raises(ValueError):
+        env.reset_slots([b], starts[:1])
+    with pytest.raises(ValueError):
+        env.step(torch.zeros(b, d))
+
+
+def test_imagination_env_truncates_at_max_chunks_and_auto_resets_to_the_start_frame():
+    env, starts, h = _chunk_env("imagination_chunk_flow")
+    obs0 = env.reset(starts[:2])
+    r = [env.step(torch.zeros(2, h, 7)) for _ in range(3)]
+    assert not r[0].done.any() and not r[1].done.any() and r[0].steps_executed.tolist() == [h, h]
+    assert r[2].truncated.all() and not r[2].terminated.any() and "final_obs" in r[2].info
+    assert torch.equal(r[2].obs.images[AGENTVIEW], obs0.images[AGENTVIEW])
+
+
+# ---------------------------------------------------------------------- Suite: every suite config
+# configs/suite/*.yaml and the example suite that adds a task by one class and one YAML file (tests/examples/).
+SUITES = ["default", "tiny", "visual", "lift_high"]
+
+
+def _suite(name: str):
+    from hydra.utils import instantiate
+
+    return instantiate(compose("evaluate", [f"suite={name}"]).suite)
+
+
+@pytest.mark.parametrize("name", SUITES)
+def test_suite_contract(name):
+    suite = _suite(name)
+    assert isinstance(suite, I.Suite), name
+    assert suite.task_names and len(set(suite.task_names)) == len(suite.task_names)
+    assert suite.action_space.dim == 7 and suite.state_dim == 9 and suite.fps > 0 and len(suite.image_size) == 2
+    for t in suite.task_names:
+        assert isinstance(suite.instruction(t), str) and suite.instruction(t)
+        assert suite.max_steps(t) > 0
+        n_eval, n_train = suite.num_init_states(t, "eval"), suite.num_init_states(t, "train")
+        assert n_eval > 0 and n_train > 0
+        s = suite.eval_start(t, n_eval + 1)
+        assert (s.task_name, s.split, s.init_index, s.instruction) == (t, "eval", 1, suite.instruction(t))
+        assert suite.train_start(t, 3).init_index == 3 % n_train and suite.train_start(t, 3).split == "train"
+        assert suite.init_state(t, "eval", 0).ndim == 1
+    with pytest.raises(ValueError):
+        suite.instruction("no_such_task")
+    json.dumps(suite.describe())
+    env = suite.make_env(1, auto_reset=False, cameras=())
+    assert isinstance(env, I.ChunkEnv) and env.num_envs == 1 and env.action_dim == suite.action_space.dim
+
+
+def test_new_task_is_a_class_and_a_yaml_entry():
+    """``tests/examples/lift_high_task.py`` + ``configs/suite/lift_high.yaml``: the suite's env and its
+    scripted expert run the new task by name, with its own success predicate."""
+    suite = _suite("lift_high")
+    assert suite.task_names == ["lift_red", "lift_red_high"]
+    assert type(suite.task("lift_red_high")).__name__ == "LiftHighTask"
+    env = suite.make_env(2, auto_reset=False, cameras=())
+    for dz, high in ((0.07, False), (0.12, True)):
+        low_start = _simenv_lifted_start(suite, dz)
+        high_start = Start("lift_red_high", suite.instruction("lift_red_high"), sim_state=low_start.sim_state)
+        env.reset([low_start, high_start])
+        res = env.step(torch.zeros(2, 1, 7))
+        assert res.success.tolist() == [True, high], dz
+    expert = suite.make_expert()
+    env.reset([suite.eval_start("lift_red_high", 0), suite.eval_start("lift_red", 0)])
+    expert.begin(0, "lift_red_high", seed=0)
+    expert.begin(1, "lift_red", seed=0)
+    a = expert.act(env, None, [True, True])
+    assert a.shape == (2, 1, 7) and torch.equal(a[0], a[1])  # same scene, same init state: the same lift expert
 
 
 # ---------------------------------------------------------------------- Transport: robot_bridge.transports

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from policies import lerobot_adapters as L
+from policies import lerobot_tiny as T
 from policies.samplers import EulerODESampler, SDESampler
 from wmrl.kernel.interfaces import Policy
 from wmrl.kernel.storage import NormStats
@@ -30,9 +31,9 @@ def _obs(b=2):
 def adapter(request, tmp_path_factory):
     torch.manual_seed(0)
     if request.param == "smolvla":
-        pol = L.tiny_smolvla(tmp_path_factory.mktemp("smolvlm"), sampler=SDESampler(4, 0.5))
+        pol = T.tiny_smolvla(tmp_path_factory.mktemp("smolvlm"), sampler=SDESampler(4, 0.5))
     else:
-        pol = getattr(L, f"tiny_{request.param}")(sampler=SDESampler(4, 0.5))
+        pol = getattr(T, f"tiny_{request.param}")(sampler=SDESampler(4, 0.5))
     return pol.set_norm_stats(_stats()).eval()
 
 
@@ -83,7 +84,7 @@ def test_adapter_ode_seeded_and_instruction_matters(adapter):
 
 
 def test_adapter_input_errors(tmp_path):
-    pol = L.tiny_pi0(cameras=[AGENTVIEW])
+    pol = T.tiny_pi0(cameras=[AGENTVIEW])
     obs = _obs(1)
     with pytest.raises(Exception, match="statistics"):
         pol.sample(obs)

@@ -75,6 +75,9 @@ class ProgressValueCritic(nn.Module):
         state_dim: ``D_s`` when ``use_proprio``.
         use_proprio: also condition on the proprio state (normalised with buffers set by
             :meth:`set_norm_stats`).
+
+    Implements ``wmrl.kernel.interfaces.ProgressCritic`` (``progress``, ``success_prob`` and
+    ``evaluate``, both heads in one forward pass).
     """
 
     def __init__(self, cameras: Sequence[str] = ("agentview", "robot0_eye_in_hand"), image_size=64,

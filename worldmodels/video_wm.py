@@ -94,7 +94,12 @@ class ChunkFlowWorldModel(nn.Module):
 
     Normalisation stats (proprio mean / std, std of the proprio change over a chunk) are buffers
     set by :meth:`set_norm_stats` and saved with the weights; using an unfitted model raises.
+
+    Declared capabilities: ``action_dim``, ``chunk_size`` and ``context_frames = 1`` (``init``
+    conditions on the last context frame only).
     """
+
+    context_frames = 1
 
     def __init__(self, cameras: Sequence[str] = ("agentview", "robot0_eye_in_hand"), image_size=64,
                  state_dim: int = 9, action_dim: int = 7, chunk_size: int = 8,

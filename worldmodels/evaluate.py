@@ -31,6 +31,58 @@ def _to01(x: torch.Tensor) -> torch.Tensor:
     return (x.float().clamp(-1, 1) + 1) / 2
 
 
+def _accumulate(s: dict, model, data: EpisodeFrames, state: WMState, first: torch.Tensor, p0: torch.Tensor,
+                ep: np.ndarray, t_target: np.ndarray, valid: np.ndarray, pos: list[int] | None) -> None:
+    """Add one horizon's squared errors, SSIM and proprio errors of the valid rollouts to ``s``."""
+    dev = first.device
+    v = torch.from_numpy(valid)
+    gt = torch.from_numpy(data.images[data.offsets[ep[valid]] + t_target[valid]]).to(dev)
+    pred = _to01(state.frames[v.to(dev)])
+    tgt = _to01(to_unit(gt))
+    copy = _to01(to_unit(first[v.to(dev)]))
+    s["se"] += float((pred - tgt).pow(2).sum())
+    s["se_copy"] += float((copy - tgt).pow(2).sum())
+    s["npix"] += tgt.numel()
+    for c in range(len(model.cameras)):
+        s["cam_se"][c] += float((pred[:, 3 * c: 3 * c + 3] - tgt[:, 3 * c: 3 * c + 3]).pow(2).sum())
+    s["ssim"] += float(structural_similarity_index_measure(pred, tgt, data_range=1.0, reduction="sum"))
+    s["ssim_copy"] += float(structural_similarity_index_measure(copy, tgt, data_range=1.0, reduction="sum"))
+    p_gt = torch.from_numpy(data.proprio[data.offsets[ep[valid]] + t_target[valid]]).to(dev).float()
+    p_im, p_cp = state.proprio[v.to(dev)].float(), p0[v.to(dev)].float()
+    s["ae"] += (p_im - p_gt).abs().sum(0).cpu().numpy()
+    s["ae_copy"] += (p_cp - p_gt).abs().sum(0).cpu().numpy()
+    if pos is not None:
+        s["pos"] += float((p_im[:, pos] - p_gt[:, pos]).norm(dim=1).sum())
+        s["pos_copy"] += float((p_cp[:, pos] - p_gt[:, pos]).norm(dim=1).sum())
+    s["n"] += int(valid.sum())
+
+
+def _db(se: float, npix: float) -> float:
+    return float(-10 * np.log10(max(se / max(npix, 1), 1e-10)))
+
+
+def _summarise(sums: dict, cameras: Sequence[str], pos: list[int] | None) -> dict:
+    """:func:`horizon_metrics`' result from the per-horizon sums."""
+    ks = [k for k in sums if sums[k]["n"] > 0]
+    out = {"horizon": ks,
+           "psnr": [_db(sums[k]["se"], sums[k]["npix"]) for k in ks],
+           "psnr_copy": [_db(sums[k]["se_copy"], sums[k]["npix"]) for k in ks],
+           "ssim": [sums[k]["ssim"] / sums[k]["n"] for k in ks],
+           "ssim_copy": [sums[k]["ssim_copy"] / sums[k]["n"] for k in ks],
+           "n": [sums[k]["n"] for k in ks],
+           "psnr_per_camera": {c: [_db(sums[k]["cam_se"][j], sums[k]["npix"] / len(cameras)) for k in ks]
+                               for j, c in enumerate(cameras)}}
+    out["psnr_gain"] = [a - b for a, b in zip(out["psnr"], out["psnr_copy"])]
+    out["proprio_mae"] = [(sums[k]["ae"] / sums[k]["n"]).tolist() for k in ks]
+    out["proprio_mae_copy"] = [(sums[k]["ae_copy"] / sums[k]["n"]).tolist() for k in ks]
+    if pos is not None:
+        out["position_error"] = [sums[k]["pos"] / sums[k]["n"] for k in ks]
+        out["position_error_copy"] = [sums[k]["pos_copy"] / sums[k]["n"] for k in ks]
+    # the same PSNR via torchmetrics on one batch, as a cross-check of the aggregate formula
+    out["psnr_definition"] = "10*log10(1/MSE) over all pixels of all rollouts at a horizon, images in [0,1]"
+    return out
+
+
 @torch.no_grad()
 def horizon_metrics(model: ChunkFlowWorldModel, data: EpisodeFrames, max_chunks: int = 8, start_stride: int = 8,
                     batch_size: int = 64, generator: torch.Generator | None = None,
@@ -84,49 +136,9 @@ def horizon_metrics(model: ChunkFlowWorldModel, data: EpisodeFrames, max_chunks:
             a_idx = np.minimum(t0[:, None] + (k - 1) * H + np.arange(H)[None], data.lengths[ep][:, None] - 1)
             acts = torch.from_numpy(data.actions[data.offsets[ep][:, None] + a_idx]).to(dev)
             state, _ = model.imagine(state, acts, generator=generator)
-            v = torch.from_numpy(valid)
-            gt = torch.from_numpy(data.images[data.offsets[ep[valid]] + t0[valid] + k * H]).to(dev)
-            pred = _to01(state.frames[v.to(dev)])
-            tgt = _to01(to_unit(gt))
-            copy = _to01(to_unit(first[v.to(dev)]))
-            s = sums[k]
-            s["se"] += float((pred - tgt).pow(2).sum())
-            s["se_copy"] += float((copy - tgt).pow(2).sum())
-            s["npix"] += tgt.numel()
-            for c in range(len(model.cameras)):
-                s["cam_se"][c] += float((pred[:, 3 * c: 3 * c + 3] - tgt[:, 3 * c: 3 * c + 3]).pow(2).sum())
-            s["ssim"] += float(structural_similarity_index_measure(pred, tgt, data_range=1.0, reduction="sum"))
-            s["ssim_copy"] += float(structural_similarity_index_measure(copy, tgt, data_range=1.0, reduction="sum"))
-            p_gt = torch.from_numpy(data.proprio[data.offsets[ep[valid]] + t0[valid] + k * H]).to(dev).float()
-            p_im, p_cp = state.proprio[v.to(dev)].float(), p0[v.to(dev)].float()
-            s["ae"] += (p_im - p_gt).abs().sum(0).cpu().numpy()
-            s["ae_copy"] += (p_cp - p_gt).abs().sum(0).cpu().numpy()
-            if pos is not None:
-                s["pos"] += float((p_im[:, pos] - p_gt[:, pos]).norm(dim=1).sum())
-                s["pos_copy"] += float((p_cp[:, pos] - p_gt[:, pos]).norm(dim=1).sum())
-            s["n"] += int(valid.sum())
+            _accumulate(sums[k], model, data, state, first, p0, ep, t0 + k * H, valid, pos)
 
-    def db(se, npix):
-        return float(-10 * np.log10(max(se / max(npix, 1), 1e-10)))
-
-    ks = [k for k in sums if sums[k]["n"] > 0]
-    out = {"horizon": ks,
-           "psnr": [db(sums[k]["se"], sums[k]["npix"]) for k in ks],
-           "psnr_copy": [db(sums[k]["se_copy"], sums[k]["npix"]) for k in ks],
-           "ssim": [sums[k]["ssim"] / sums[k]["n"] for k in ks],
-           "ssim_copy": [sums[k]["ssim_copy"] / sums[k]["n"] for k in ks],
-           "n": [sums[k]["n"] for k in ks],
-           "psnr_per_camera": {c: [db(sums[k]["cam_se"][j], sums[k]["npix"] / len(model.cameras)) for k in ks]
-                               for j, c in enumerate(model.cameras)}}
-    out["psnr_gain"] = [a - b for a, b in zip(out["psnr"], out["psnr_copy"])]
-    out["proprio_mae"] = [(sums[k]["ae"] / sums[k]["n"]).tolist() for k in ks]
-    out["proprio_mae_copy"] = [(sums[k]["ae_copy"] / sums[k]["n"]).tolist() for k in ks]
-    if pos is not None:
-        out["position_error"] = [sums[k]["pos"] / sums[k]["n"] for k in ks]
-        out["position_error_copy"] = [sums[k]["pos_copy"] / sums[k]["n"] for k in ks]
-    # the same PSNR via torchmetrics on one batch, as a cross-check of the aggregate formula
-    out["psnr_definition"] = "10*log10(1/MSE) over all pixels of all rollouts at a horizon, images in [0,1]"
-    return out
+    return _summarise(sums, model.cameras, pos)
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from grpo_fakes import GaussianChunkPolicy, ToyReachEnv, toy_starts
 
-from wmrl import grpo
+from wmrl import rl as grpo
 from wmrl.kernel.interfaces import ChunkEnv, Policy
 
 
@@ -254,8 +254,9 @@ def _train(tmp, iterations, resume=True):
         evals.append(n)
         return {"success": float(n)}
 
-    out = grpo.train_grpo(pol, {"chunk_size": 4, "action_dim": 3}, env, opt, lambda it: starts, cfg, iterations, tmp,
-                          evaluate_fn=evaluate, eval_every=2, resume=resume, seed=3, progress=False)
+    setup = grpo.GRPOSetup(pol, {"chunk_size": 4, "action_dim": 3}, env, opt, lambda it: starts, cfg)
+    out = grpo.train_grpo(setup, grpo.LoopConfig(iterations, tmp, seed=3, resume=resume, progress=False),
+                          grpo.GRPOHooks(evaluation=grpo.EvalHook(evaluate, every=2)))
     return pol, out, evals
 
 

@@ -182,7 +182,7 @@ def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None, su
             critic.evaluate(pred)
 
         out["imagine_per_rollout_s"] = _median_s(imagine, 2, 1) / nb
-        from wmrl.run.post_train import using_sampler
+        from wmrl.run.builders import using_sampler
 
         sampler = instantiate(g.rl_sampler) if g.get("rl_sampler") else None
         op = _obs(policy, nb)

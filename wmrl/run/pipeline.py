@@ -42,8 +42,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from wmrl.kernel.types import Start
-from wmrl.refresh import record_episodes, store_like
+from wmrl.refresh import store_like
+from wmrl.rl.rollout import record_episodes
 from wmrl.run import machine
+from wmrl.run.builders import compose_stage_config
+from wmrl.run.builders import container as _container
 from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.pipeline")
@@ -52,29 +55,6 @@ log = logging.getLogger("wmrl.pipeline")
 # ------------------------------------------------------------------------------------------
 # Stage plumbing
 # ------------------------------------------------------------------------------------------
-
-
-def compose_stage_config(config_name: str, overrides: dict | DictConfig | None = None,
-                         groups: list[str] | None = None) -> DictConfig:
-    """Compose ``configs/<config_name>.yaml`` with Hydra (``groups``: group selections such as
-    ``"env=imagination"``), then merge ``overrides`` (a nested dict) on top."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    groups = list(groups or [])
-    if GlobalHydra.instance().is_initialized():
-        cfg = compose(config_name, overrides=groups)
-    else:
-        with initialize_config_module("configs", version_base="1.3"):
-            cfg = compose(config_name, overrides=groups)
-    OmegaConf.set_struct(cfg, False)
-    if overrides:
-        cfg = OmegaConf.merge(cfg, OmegaConf.create(_container(overrides)))
-    return cfg
-
-
-def _container(x):
-    return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
 
 
 # stage -> (its entry point: config and wmrl.run module of that name, Hydra group selections it always gets);
@@ -426,8 +406,7 @@ def apply_preset(cfg: DictConfig, overrides: Sequence[str] = (), groups: Collect
 def _eval_policy(policy_path: Path, cfg: DictConfig, tasks: dict, suite, out_dir: Path | None, videos: int) -> dict:
     from functools import partial
 
-    from wmrl.run.evaluate import build_actor, build_suite
-    from wmrl.run.post_train import evaluate_real
+    from wmrl.run.builders import build_actor, build_suite, evaluate_real
 
     suite_cfg = _container(cfg.suite)
     sampler_cfg = _container(cfg.eval_sampler) if cfg.get("eval_sampler") else None
@@ -444,16 +423,9 @@ def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: di
     """Before GRPO: does this run's imagination rank the BC policy's rollouts (GRPO's RL sampler or
     its latent-noise steering, group size and horizon, GRPO's first train init states) like the sim? See
     :func:`wmrl.fidelity.replay_check`."""
-    from wmrl import grpo
     from wmrl.fidelity import replay_check
-    from wmrl.run.post_train import (
-        ContextStarts,
-        load_policy,
-        make_imagination_env,
-        make_sim_env,
-        rl_policy,
-        train_n_init,
-    )
+    from wmrl.rl.starts import ContextStarts, InitStateStarts
+    from wmrl.run.builders import load_policy, make_imagination_env, make_sim_env, rl_policy, train_n_init
 
     policy, policy_cfg = load_policy(bc_ckpt, str(c.device))
     policy, _, rl_sampler = rl_policy(policy, policy_cfg, gcfg, str(c.device))
@@ -461,8 +433,8 @@ def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: di
     if rl_sampler is not None:
         policy.sampler = rl_sampler
     g = int(gcfg.grpo.group_size)
-    starts = grpo.InitStateStarts(tasks, n_init=train_n_init(gcfg.starts, suite, tasks), per_task=int(c.starts_per_task),
-                                  split="train", seed=int(c.seed))(0)
+    starts = InitStateStarts(tasks, n_init=train_n_init(gcfg.starts, suite, tasks), per_task=int(c.starts_per_task),
+                             split="train", seed=int(c.seed))(0)
     sim_env = make_sim_env(int(c.num_envs), suite=suite)        # renders the context frames, then replays
     starts = ContextStarts(None, sim_env).contextualize(starts)
     kw = _container(gcfg.env.get("imagination")) or {}
@@ -510,7 +482,7 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
     saved = OmegaConf.to_container(cfg, resolve=True)
     saved.pop("presets", None)           # the applied one is merged in (and named by `preset`)
     (ctx.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
-    from wmrl.run.post_train import make_sim_env
+    from wmrl.run.builders import make_sim_env
 
     suite_cfg = _container(cfg.suite)
     suite_cfg["tasks"] = list(cfg.tasks)
@@ -553,7 +525,7 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
 
     def _bc_rollouts(scfg, sctx):
         from wmrl.kernel.storage import EpisodeStore
-        from wmrl.run.post_train import load_policy, using_sampler
+        from wmrl.run.builders import load_policy, using_sampler
 
         policy, _ = load_policy(bc_ckpt, cfg.device)
         policy.eval()

@@ -14,9 +14,9 @@ def parts(tmp_path_factory):
     from policies.flow_vla import FlowVLAPolicy
     from policies.samplers import SDESampler
     from wmrl.imagination import ImaginationEnv
-    from wmrl.rl.starts import starts_from_store
     from wmrl.kernel.storage import EpisodeStore
     from wmrl.kernel.types import PANDA_OSC_POSE
+    from wmrl.rl.starts import starts_from_store
     from worldmodels.critic import ProgressValueCritic
     from worldmodels.data import EpisodeFrames
     from worldmodels.synthetic import make_episodes

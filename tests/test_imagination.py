@@ -185,8 +185,8 @@ def test_keyframe_start_provider_per_task_and_reproducible(tmp_path):
 
 def test_with_learned_models_runs_grpo_rollouts(tmp_path):
     """The real world model + critic (untrained, tiny) drive wmrl.rl.rollout.rollout_batch."""
-    from wmrl.rl.rollout import rollout_batch
     from wmrl.kernel.types import PolicySample
+    from wmrl.rl.rollout import rollout_batch
 
     wm = instantiate(OmegaConf.load("configs/worldmodel/tiny.yaml"), _convert_="all").eval()
     wm.set_norm_stats(torch.randn(10, 9), torch.randn(10, 9))

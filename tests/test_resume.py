@@ -25,9 +25,9 @@ from safetensors.torch import load_file
 from test_policy import tiny_policy, toy_store
 
 from wmrl import rl as grpo
-from wmrl.rl import loop as grpo_loop
 from wmrl.kernel.rng import capture_rng, restore_rng
 from wmrl.kernel.storage import EpisodeStore, WindowDataset
+from wmrl.rl import loop as grpo_loop
 from worldmodels.data import EpisodeFrames
 from worldmodels.synthetic import make_episodes
 from worldmodels.train import train_critic, train_world_model

@@ -28,7 +28,13 @@ from wmrl.rl.loop import (
     grpo_iteration,
     train_grpo,
 )
-from wmrl.rl.losses import clipped_surrogate_loss, describe, group_advantages, kl_to_reference, masked_mean
+from wmrl.rl.losses import (
+    clipped_surrogate_loss,
+    describe,
+    group_advantages,
+    kl_to_reference,
+    masked_mean,
+)
 from wmrl.rl.rollout import (
     cat_samples,
     collect_groups,
@@ -39,8 +45,22 @@ from wmrl.rl.rollout import (
     rollout_batch,
     rollout_returns,
 )
-from wmrl.rl.starts import ContextStarts, InitStateStarts, KeyframeStarts, MixedStarts, all_starts, starts_from_store
-from wmrl.rl.update import GRPOConfig, TransitionBatch, build_transitions, check_policy, grpo_update, make_reference
+from wmrl.rl.starts import (
+    ContextStarts,
+    InitStateStarts,
+    KeyframeStarts,
+    MixedStarts,
+    all_starts,
+    starts_from_store,
+)
+from wmrl.rl.update import (
+    GRPOConfig,
+    TransitionBatch,
+    build_transitions,
+    check_policy,
+    grpo_update,
+    make_reference,
+)
 
 __all__ = [
     "CheckpointHook", "ContextStarts", "DebiasHook", "DenoiseHook", "EvalHook", "GRPOConfig", "GRPOHooks", "GRPOSetup",

@@ -9,7 +9,7 @@ over the normal approximation for small ``n``).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

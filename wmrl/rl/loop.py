@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -35,7 +36,12 @@ from wmrl.kernel.rng import capture_rng, restore_rng
 from wmrl.kernel.types import Rollout, Start
 from wmrl.rl.debias import OnlineDebiaser, inverse_variance_rewards, tasks_for
 from wmrl.rl.losses import describe, group_advantages
-from wmrl.rl.rollout import batched_starts, collect_groups, expand_starts, rollout_returns
+from wmrl.rl.rollout import (
+    batched_starts,
+    collect_groups,
+    expand_starts,
+    rollout_returns,
+)
 from wmrl.rl.update import GRPOConfig, build_transitions, grpo_update
 
 log = logging.getLogger("wmrl.grpo")

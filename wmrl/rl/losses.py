@@ -22,7 +22,7 @@ import torch
 
 from wmrl.kernel.tensors import masked_mean
 
-__all__ = ["group_advantages", "masked_mean", "clipped_surrogate_loss", "kl_to_reference", "describe"]
+__all__ = ["clipped_surrogate_loss", "describe", "group_advantages", "kl_to_reference", "masked_mean"]
 
 
 def _check_finite(name: str, x: torch.Tensor) -> None:

@@ -16,7 +16,8 @@ group id ``-1`` and are never alive). Shape legend: :mod:`wmrl.kernel.types`.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Protocol, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch

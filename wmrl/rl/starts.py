@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -49,11 +49,6 @@ class InitStateStarts:
             idx = rng.choice(self.n_init, size=self.per_task, replace=self.per_task > self.n_init)
             out += [Start(task_name=name, instruction=instr, init_index=int(i), split=self.split) for i in idx]  # type: ignore[arg-type]
         return out
-
-
-def all_starts(tasks: dict, n: int, split: str = "eval") -> list[Start]:
-    """Every init state ``0..n-1`` of ``split`` for each task (held-out evaluation starts)."""
-    return [Start(task_name=t, instruction=i, init_index=k, split=split) for t, i in tasks.items() for k in range(n)]  # type: ignore[arg-type]
 
 
 def all_starts(tasks: dict, n: int, split: str = "eval") -> list[Start]:

@@ -12,8 +12,8 @@ Gaussian densities.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ class TransitionBatch:
     def __len__(self) -> int:
         return int(self.advantages.shape[0])
 
-    def index(self, idx: torch.Tensor) -> "TransitionBatch":
+    def index(self, idx: torch.Tensor) -> TransitionBatch:
         return TransitionBatch(self.obs.index(idx), self.samples.index(idx), self.advantages[idx], self.weights[idx])
 
 

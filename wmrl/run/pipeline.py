@@ -425,7 +425,13 @@ def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: di
     :func:`wmrl.fidelity.replay_check`."""
     from wmrl.fidelity import replay_check
     from wmrl.rl.starts import ContextStarts, InitStateStarts
-    from wmrl.run.builders import load_policy, make_imagination_env, make_sim_env, rl_policy, train_n_init
+    from wmrl.run.builders import (
+        load_policy,
+        make_imagination_env,
+        make_sim_env,
+        rl_policy,
+        train_n_init,
+    )
 
     policy, policy_cfg = load_policy(bc_ckpt, str(c.device))
     policy, _, rl_sampler = rl_policy(policy, policy_cfg, gcfg, str(c.device))

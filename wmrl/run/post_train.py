@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from wmrl.run.common import run_main
 from wmrl.run.grpo_job import run
 
-__all__ = ["run", "main"]
+__all__ = ["main", "run"]
 
 
 @hydra.main(version_base="1.3", config_path="pkg://configs", config_name="post_train")

@@ -21,18 +21,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from wmrl.kernel.interfaces import RandomStreams
+from wmrl.rl import loop
 from wmrl.rl.debias import OnlineDebiaser, real_rollout_fn_for
-from wmrl.rl.loop import (
-    CheckpointHook,
-    DebiasHook,
-    DenoiseHook,
-    EvalHook,
-    GRPOHooks,
-    GRPOSetup,
-    LoopConfig,
-    RefreshHook,
-    train_grpo,
-)
 from wmrl.rl.starts import ContextStarts, InitStateStarts, KeyframeStarts, MixedStarts
 from wmrl.rl.update import GRPOConfig, check_policy, make_reference
 from wmrl.run.builders import (
@@ -117,7 +107,7 @@ def _starts(cfg: DictConfig, ctx: RunContext, suite, tasks: dict, n_init: int):
     return starts_fn
 
 
-def _eval_hook(cfg: DictConfig, suite, tasks: dict, eval_sampler) -> EvalHook | None:
+def _eval_hook(cfg: DictConfig, suite, tasks: dict, eval_sampler) -> loop.EvalHook | None:
     """Real-sim evaluation on held-out init states (``cfg.evaluation``), ``None`` without episodes."""
     ev = cfg.evaluation
     eval_env = instantiate(ev.env) if ev.get("env") else None
@@ -129,10 +119,10 @@ def _eval_hook(cfg: DictConfig, suite, tasks: dict, eval_sampler) -> EvalHook | 
         log.info("iteration %d: real-sim success %.3f %s", n, r["success"], {k: v["success"] for k, v in r["per_task"].items()})
         return r
 
-    return EvalHook(evaluate_fn, every=int(ev.every)) if int(ev.episodes_per_task) > 0 else None
+    return loop.EvalHook(evaluate_fn, every=int(ev.every)) if int(ev.episodes_per_task) > 0 else None
 
 
-def _debias_hook(cfg: DictConfig, suite, policy, gcfg: GRPOConfig, streams: dict) -> DebiasHook | None:
+def _debias_hook(cfg: DictConfig, suite, policy, gcfg: GRPOConfig, streams: dict) -> loop.DebiasHook | None:
     """Online debiasing (``cfg.mitigations.debias``); its real-rollout generator joins ``streams``."""
     deb = _maybe(cfg.get("mitigations") or {}, "debias")
     if deb is None or not deb.get("enabled", False):
@@ -147,7 +137,7 @@ def _debias_hook(cfg: DictConfig, suite, policy, gcfg: GRPOConfig, streams: dict
     streams["debias"] = torch.Generator().manual_seed(int(cfg.seed) + 17)
     real_fn = real_rollout_fn_for(real_env, policy, gcfg, rollouts_per_start=int(deb.rollouts_per_start),
                                   generator=streams["debias"])
-    return DebiasHook(debiaser, real_fn, starts=int(deb.starts), every=int(_maybe(deb, "every", 1) or 1))
+    return loop.DebiasHook(debiaser, real_fn, starts=int(deb.starts), every=int(_maybe(deb, "every", 1) or 1))
 
 
 def _replay_envs(cfg: DictConfig, suite) -> list:
@@ -159,7 +149,7 @@ def _replay_envs(cfg: DictConfig, suite) -> list:
             for s in range(int(den.samples))]
 
 
-def _report(cfg: DictConfig, policy_path, tasks: dict, out: dict, hooks: GRPOHooks, refresher, env, policy) -> dict:
+def _report(cfg: DictConfig, policy_path, tasks: dict, out: dict, hooks: loop.GRPOHooks, refresher, env, policy) -> dict:
     evals = out["evals"]
     debiaser = hooks.debias.debiaser if hooks.debias is not None else None
     report: dict[str, Any] = {
@@ -204,14 +194,14 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     env = build_env(cfg.env, suite, seed=int(cfg.seed), device=str(cfg.device))
     n_init = train_n_init(cfg.starts, suite, tasks)
     starts_fn = _starts(cfg, ctx, suite, tasks, n_init)
-    hooks = GRPOHooks(evaluation=_eval_hook(cfg, suite, tasks, eval_sampler),
-                      checkpoint=CheckpointHook(int(cfg.checkpoint_every)))
+    hooks = loop.GRPOHooks(evaluation=_eval_hook(cfg, suite, tasks, eval_sampler),
+                           checkpoint=loop.CheckpointHook(int(cfg.checkpoint_every)))
     streams: dict[str, Any] = {}   # generators the loop's envs and rollout functions own (exact resume)
     hooks.debias = _debias_hook(cfg, suite, policy, gcfg, streams)
     replay_envs = _replay_envs(cfg, suite)
-    hooks.denoise = DenoiseHook(replay_envs) if replay_envs else None
+    hooks.denoise = loop.DenoiseHook(replay_envs) if replay_envs else None
     refresher = _maybe_refresher(cfg, ctx, env, suite, tasks, n_init, replay_envs)
-    hooks.refresh = RefreshHook(refresher, int(cfg.refresh.every)) if refresher is not None else None
+    hooks.refresh = loop.RefreshHook(refresher, int(cfg.refresh.every)) if refresher is not None else None
     for name, e in [("env", env)] + [(f"replay{i}", e) for i, e in enumerate(replay_envs)]:
         if isinstance(e, RandomStreams):
             streams.update({f"{name}.{k}": g for k, g in e.rng_streams().items()})
@@ -221,10 +211,11 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(str(ctx.out_dir / "tb"))
-    setup = GRPOSetup(policy, policy_cfg, env, optimizer, starts_fn, gcfg, ref_policy=ref_policy, rng_streams=streams,
-                      writer=writer)
-    out = train_grpo(setup, LoopConfig(int(cfg.iterations), ctx.out_dir, seed=int(cfg.seed), resume=bool(cfg.resume),
-                                       progress=bool(cfg.get("progress", True))), hooks)
+    setup = loop.GRPOSetup(policy, policy_cfg, env, optimizer, starts_fn, gcfg, ref_policy=ref_policy,
+                           rng_streams=streams, writer=writer)
+    loop_cfg = loop.LoopConfig(int(cfg.iterations), ctx.out_dir, seed=int(cfg.seed), resume=bool(cfg.resume),
+                               progress=bool(cfg.get("progress", True)))
+    out = loop.train_grpo(setup, loop_cfg, hooks)
     if writer is not None:
         writer.close()
     return _report(cfg, policy_path, tasks, out, hooks, refresher, env, policy)

@@ -195,8 +195,9 @@ def masked_mse(pred: torch.Tensor, target: torch.Tensor, pad_mask: torch.Tensor)
     """
     if pred.shape != target.shape:
         raise ValueError(f"pred {tuple(pred.shape)} and target {tuple(target.shape)} differ in shape")
-    keep = ~torch.as_tensor(pad_mask, device=pred.device)
+    pad = torch.as_tensor(pad_mask, device=pred.device)
+    if pad.dtype != torch.bool:
+        raise ValueError(f"pad_mask must be bool (True = padded), got {pad.dtype}")
+    keep = ~pad
     target = torch.where(expand_keep(keep, pred), target, pred.detach())
     return masked_mean((pred - target) ** 2, keep)
-
-

@@ -13,7 +13,7 @@ from wmrl.kernel.types import PolicySample
 
 
 def test_wilson_interval_known_values():
-    from wmrl.evaluation import wilson_interval
+    from wmrl.rl.evaluate import wilson_interval
 
     lo, hi = wilson_interval(5, 10)
     assert lo == pytest.approx(0.2366, abs=1e-4) and hi == pytest.approx(0.7634, abs=1e-4)
@@ -158,7 +158,7 @@ def test_instruction_override_replaces_the_task_text(tmp_path):
     from wmrl.kernel.types import Obs, PolicySample
     from wmrl.run import evaluate
     from wmrl.run.common import RunContext
-    from wmrl.run.evaluate import InstructionOverride
+    from wmrl.run.builders import InstructionOverride
 
     seen = []
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from grpo_fakes import GaussianChunkPolicy, ToyReachEnv, toy_starts
 
-from wmrl import grpo
+from wmrl import rl as grpo
 from wmrl.kernel.interfaces import ChunkEnv, Policy
 
 
@@ -254,8 +254,9 @@ def _train(tmp, iterations, resume=True):
         evals.append(n)
         return {"success": float(n)}
 
-    out = grpo.train_grpo(pol, {"chunk_size": 4, "action_dim": 3}, env, opt, lambda it: starts, cfg, iterations, tmp,
-                          evaluate_fn=evaluate, eval_every=2, resume=resume, seed=3, progress=False)
+    setup = grpo.GRPOSetup(pol, {"chunk_size": 4, "action_dim": 3}, env, opt, lambda it: starts, cfg)
+    out = grpo.train_grpo(setup, grpo.LoopConfig(iterations, tmp, seed=3, resume=resume, progress=False),
+                          grpo.GRPOHooks(evaluation=grpo.EvalHook(evaluate, every=2)))
     return pol, out, evals
 
 
@@ -346,3 +347,30 @@ def test_fpo_errors_name_what_to_change():
     batch.samples.extras["chain"] = torch.zeros(len(batch), 3, 4, 3)
     with pytest.raises(ValueError, match="flow_matching_loss"):
         grpo.grpo_update(pol, torch.optim.SGD(pol.parameters(), lr=0.1), batch, grpo.GRPOConfig(ratio="fpo"))
+
+
+def test_masked_mean_keeps_true_entries_and_broadcasts_a_prefix_mask():
+    x = torch.tensor([[1.0, float("nan")], [3.0, 5.0]])
+    keep = torch.tensor([[True, False], [True, True]])
+    assert grpo.masked_mean(x, keep).item() == 3.0                       # NaN dropped, (1 + 3 + 5) / 3
+    y = torch.arange(12.0).reshape(2, 3, 2)                              # (B, H, D) with a (B, H) mask
+    assert grpo.masked_mean(y, torch.tensor([[True, False, False], [False, False, False]])).item() == 0.5
+    assert grpo.masked_mean(y, torch.zeros(2, 3, dtype=torch.bool)).item() == 0.0
+
+
+def test_each_hook_runs_on_its_own_every(tmp_path):
+    torch.manual_seed(0)
+    pol = GaussianChunkPolicy()
+    env = ToyReachEnv(num_envs=8, max_steps=12)
+    opt = torch.optim.Adam(pol.parameters(), lr=0.02)
+    cfg = grpo.GRPOConfig(group_size=4, max_chunks=3, epochs=1, minibatch_size=16)
+    starts = toy_starts(2)
+    refreshed = []
+    hooks = grpo.GRPOHooks(denoise=grpo.DenoiseHook([ToyReachEnv(num_envs=8, max_steps=12)], every=2),
+                           refresh=grpo.RefreshHook(lambda p, n: refreshed.append(n) or {"refresh/x": 1.0}, every=2),
+                           checkpoint=grpo.CheckpointHook(every=3))
+    setup = grpo.GRPOSetup(pol, {"chunk_size": 4, "action_dim": 3}, env, opt, lambda it: starts, cfg)
+    out = grpo.train_grpo(setup, grpo.LoopConfig(5, tmp_path, seed=1, progress=False), hooks)
+    assert [("denoise_var_mean" in h) for h in out["history"]] == [True, False, True, False, True]  # iterations 0, 2, 4
+    assert refreshed == [2, 4] and "refresh/x" in out["history"][1]      # none after the last iteration
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last", "step_3"]

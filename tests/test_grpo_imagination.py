@@ -13,9 +13,10 @@ import torch
 def parts(tmp_path_factory):
     from policies.flow_vla import FlowVLAPolicy
     from policies.samplers import SDESampler
-    from wmrl.imagination import ImaginationEnv, starts_from_store
+    from wmrl.imagination import ImaginationEnv
     from wmrl.kernel.storage import EpisodeStore
     from wmrl.kernel.types import PANDA_OSC_POSE
+    from wmrl.rl.starts import starts_from_store
     from worldmodels.critic import ProgressValueCritic
     from worldmodels.data import EpisodeFrames
     from worldmodels.synthetic import make_episodes
@@ -46,7 +47,7 @@ def parts(tmp_path_factory):
 
 
 def test_real_policy_ratio_is_one_and_iteration_updates(parts):
-    from wmrl import grpo
+    from wmrl import rl as grpo
 
     pol, env, starts = parts
     cfg = grpo.GRPOConfig(group_size=4, max_chunks=3, epochs=1, minibatch_size=64, reward_mode="return")

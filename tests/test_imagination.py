@@ -8,9 +8,10 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from wmrl.imagination import ImaginationEnv, start_obs, starts_from_store
+from wmrl.imagination import ImaginationEnv, start_obs
 from wmrl.kernel.interfaces import ChunkEnv
 from wmrl.kernel.types import PANDA_OSC_POSE, Obs, Start
+from wmrl.rl.starts import starts_from_store
 from worldmodels.synthetic import make_episodes
 
 
@@ -162,7 +163,7 @@ def test_keyframe_starts_from_store(tmp_path):
 
 def test_keyframe_start_provider_per_task_and_reproducible(tmp_path):
     from wmrl.kernel.storage import EpisodeStore
-    from wmrl.run.post_train import KeyframeStarts, MixedStarts
+    from wmrl.rl.starts import KeyframeStarts, MixedStarts
 
     store = EpisodeStore.create(tmp_path / "s", cameras={"agentview": (32, 32), "robot0_eye_in_hand": (32, 32)},
                                 state_dim=9, action_dim=7, fps=20, action_space=PANDA_OSC_POSE, embodiment="toy",
@@ -183,9 +184,9 @@ def test_keyframe_start_provider_per_task_and_reproducible(tmp_path):
 
 
 def test_with_learned_models_runs_grpo_rollouts(tmp_path):
-    """The real world model + critic (untrained, tiny) drive wmrl.grpo.rollout_batch."""
-    from wmrl.grpo import rollout_batch
+    """The real world model + critic (untrained, tiny) drive wmrl.rl.rollout.rollout_batch."""
     from wmrl.kernel.types import PolicySample
+    from wmrl.rl.rollout import rollout_batch
 
     wm = instantiate(OmegaConf.load("configs/worldmodel/tiny.yaml"), _convert_="all").eval()
     wm.set_norm_stats(torch.randn(10, 9), torch.randn(10, 9))

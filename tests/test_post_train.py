@@ -9,7 +9,7 @@ from grpo_fakes import GaussianChunkPolicy
 from omegaconf import OmegaConf
 
 from wmrl.kernel.checkpoint import save_checkpoint
-from wmrl.run import post_train
+from wmrl.run import builders, post_train
 from wmrl.run.common import RunContext
 
 TASKS = {"reach_a": "go reach_a", "reach_b": "go reach_b"}
@@ -79,8 +79,8 @@ def test_hydra_config_composes_for_both_envs():
 
 def test_trainable_prefixes_freeze_the_rest():
     pol = GaussianChunkPolicy()
-    params = post_train.trainable_parameters(pol, ["log_std"])
+    params = builders.trainable_parameters(pol, ["log_std"])
     assert params == [pol.log_std] and not pol.net.weight.requires_grad and pol.log_std.requires_grad
-    assert len(post_train.trainable_parameters(GaussianChunkPolicy(), None)) == 3
+    assert len(builders.trainable_parameters(GaussianChunkPolicy(), None)) == 3
     with pytest.raises(ValueError, match="modules are"):
-        post_train.trainable_parameters(GaussianChunkPolicy(), ["head"])
+        builders.trainable_parameters(GaussianChunkPolicy(), ["head"])

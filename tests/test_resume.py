@@ -24,9 +24,10 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from test_policy import tiny_policy, toy_store
 
-from wmrl import grpo
+from wmrl import rl as grpo
 from wmrl.kernel.rng import capture_rng, restore_rng
 from wmrl.kernel.storage import EpisodeStore, WindowDataset
+from wmrl.rl import loop as grpo_loop
 from worldmodels.data import EpisodeFrames
 from worldmodels.synthetic import make_episodes
 from worldmodels.train import train_critic, train_world_model
@@ -281,8 +282,9 @@ def _grpo(tmp, iterations, kill_after_steps=None, streams=True):
     opt = torch.optim.Adam(pol.parameters(), lr=0.02)
     cfg = grpo.GRPOConfig(group_size=4, max_chunks=3, epochs=1, minibatch_size=16)
     starts = toy_starts(2)
-    out = grpo.train_grpo(pol, {"chunk_size": 4, "action_dim": 3}, env, opt, lambda it: starts, cfg, iterations, tmp,
-                          seed=3, progress=False, rng_streams=env.rng_streams() if streams else None)
+    setup = grpo.GRPOSetup(pol, {"chunk_size": 4, "action_dim": 3}, env, opt, lambda it: starts, cfg,
+                           rng_streams=env.rng_streams() if streams else None)
+    out = grpo.train_grpo(setup, grpo.LoopConfig(iterations, tmp, seed=3, progress=False))
     return pol, out
 
 
@@ -314,8 +316,8 @@ def test_post_train_killed_three_times_resumes_bitwise(tmp_path, monkeypatch):
     for kill in (2, 3, 5):
         last = tmp_path / "killed" / "checkpoints" / "last"
         done = json.loads((last / "meta.json").read_text())["iteration"] if last.exists() else 0
-        monkeypatch.setattr(grpo, "grpo_iteration", grpo.grpo_iteration)   # put back at teardown
-        kill_at(grpo, "grpo_iteration", kill - done)
+        monkeypatch.setattr(grpo_loop, "grpo_iteration", grpo_loop.grpo_iteration)   # put back at teardown
+        kill_at(grpo_loop, "grpo_iteration", kill - done)
         with pytest.raises(Killed):
             post_train.run(cfg, RunContext(cfg, out_dir=tmp_path / "killed"))
         monkeypatch.undo()

@@ -8,7 +8,7 @@ from test_policy import obs, stats, tiny_policy
 
 from policies.samplers import EulerODESampler, SDESampler
 from policies.steering import LatentNoisePolicy, LatentNoiseSampler
-from wmrl import grpo
+from wmrl import rl as grpo
 from wmrl.kernel.checkpoint import load_checkpoint, save_checkpoint
 from wmrl.kernel.interfaces import Policy
 
@@ -119,7 +119,7 @@ def test_bad_configurations_raise_clear_errors():
 def test_post_train_wraps_the_checkpoint_policy_only_when_steering_is_enabled():
     from omegaconf import OmegaConf
 
-    from wmrl.run.post_train import steered_policy
+    from wmrl.run.builders import steered_policy
 
     base = base_policy()
     same, cfg, rl = steered_policy(base, {"x": 1}, OmegaConf.create({"enabled": False, "std": 0.5}))
@@ -136,7 +136,7 @@ def test_post_train_wraps_the_checkpoint_policy_only_when_steering_is_enabled():
 def test_post_train_steering_mistakes_are_refused_with_the_fix():
     from omegaconf import OmegaConf
 
-    from wmrl.run.post_train import steered_policy
+    from wmrl.run.builders import steered_policy
 
     steer = OmegaConf.create({"enabled": True, "std": 0.5, "hidden": 8, "bound": 1.0, "num_steps": 4})
     p, cfg, _ = steered_policy(base_policy(), {}, steer)

@@ -18,8 +18,7 @@ The suite and the actors are duck-typed (``wmrl`` never imports ``sim``):
   and ``needs_images`` (``False`` lets the runner skip rendering cameras).
   Any ``wmrl.kernel.interfaces.Policy`` is wrapped in :class:`PolicyActor`.
 
-Confidence intervals: Wilson score interval (Wilson 1927; Brown, Cai & DasGupta 2001 recommend it
-over the normal approximation for small ``n``).
+Success rates and their Wilson intervals: :func:`wmrl.rl.evaluate.success_summary`.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import csv
 import hashlib
 import json
 import logging
-import math
 import zlib
 from pathlib import Path
 from typing import Any
@@ -37,28 +35,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from wmrl.rl.evaluate import per_task_outcomes, success_summary
+
 log = logging.getLogger("wmrl.evaluation")
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion (95 % by default).
-
-    Returns ``(low, high)`` in [0, 1]; ``(0.0, 1.0)`` when ``n == 0``.
-
-    Raises:
-        ValueError: ``successes`` outside ``[0, n]``.
-    """
-    if n < 0 or not 0 <= successes <= max(n, 0):
-        raise ValueError(f"need 0 <= successes <= n, got successes={successes}, n={n}")
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    denom = 1.0 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    lo = 0.0 if successes == 0 else max(0.0, centre - half)
-    hi = 1.0 if successes == n else min(1.0, centre + half)
-    return lo, hi
 
 
 def episode_seed(seed: int, task: str, j: int) -> int:
@@ -280,42 +259,50 @@ def evaluate_policy(policy_or_actor, suite, episodes_per_task: int = 50, batch_s
                           progress)
 
     table = [rows[(t, j)] for t in task_names for j in range(episodes_per_task)]
+    report = _report(table, task_names, suite, episodes_per_task, B, seed)
+    if out is not None:
+        _write_tables(out, table, report)
+    for t, v in report["tasks"].items():
+        log.info("%-22s success %.2f  (95%% CI %.2f-%.2f, n=%d)  mean length %.1f", t, v["success_rate"],
+                 v["ci95"][0], v["ci95"][1], v["episodes"], v["mean_length"])
+    return report
+
+
+def _report(table: list[dict], task_names: list[str], suite, episodes_per_task: int, B: int, seed: int) -> dict:
+    """The report of :func:`evaluate_policy` from its episode rows (in task, episode order)."""
     per_task = {}
-    for t in task_names:
+    for t, outcomes in per_task_outcomes(table, task_names).items():
         r = [x for x in table if x["task"] == t]
-        k = sum(x["success"] for x in r)
-        lo, hi = wilson_interval(k, len(r))
+        s = success_summary(outcomes)
         succ_len = [x["length"] for x in r if x["success"]]
-        per_task[t] = {"success_rate": k / len(r), "ci95": [lo, hi], "successes": k, "episodes": len(r),
+        per_task[t] = {"success_rate": s["rate"], "ci95": s["ci95"], "successes": s["successes"], "episodes": s["n"],
                        "mean_length": float(np.mean([x["length"] for x in r])),
                        "mean_length_success": float(np.mean(succ_len)) if succ_len else None}
-    k_all = sum(x["success"] for x in table)
-    lo, hi = wilson_interval(k_all, len(table))
+    s = success_summary([x["success"] for x in table])
     digest = hashlib.sha256(json.dumps(
         [[x["task"], x["episode"], x["init_index"], x["seed"], x["success"], x["length"]] for x in table]
     ).encode()).hexdigest()
-    report = {
+    return {
         "tasks": per_task,
-        "overall": {"success_rate": k_all / len(table), "ci95": [lo, hi], "successes": k_all,
-                    "episodes": len(table), "mean_task_success_rate": float(np.mean([v["success_rate"] for v in per_task.values()]))},
+        "overall": {"success_rate": s["rate"], "ci95": s["ci95"], "successes": s["successes"],
+                    "episodes": s["n"], "mean_task_success_rate": float(np.mean([v["success_rate"] for v in per_task.values()]))},
         "episodes_per_task": episodes_per_task, "batch_size": B, "seed": seed,
         "episodes_sha256": digest,
         "suite": suite.describe() if hasattr(suite, "describe") else None,
         "episodes": table,
     }
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "episodes.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(table[0]))
-            w.writeheader()
-            w.writerows(table)
-        (out / "episodes.json").write_text(json.dumps(table, indent=1))
-        report["videos"] = sorted(str(p.relative_to(out)) for p in (out / "videos").glob("*.mp4")) \
-            if (out / "videos").is_dir() else []
-    for t, v in per_task.items():
-        log.info("%-22s success %.2f  (95%% CI %.2f-%.2f, n=%d)  mean length %.1f", t, v["success_rate"],
-                 v["ci95"][0], v["ci95"][1], v["episodes"], v["mean_length"])
-    return report
+
+
+def _write_tables(out: Path, table: list[dict], report: dict) -> None:
+    """``episodes.csv`` and ``episodes.json`` in ``out``; the videos found there go into ``report``."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "episodes.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(table[0]))
+        w.writeheader()
+        w.writerows(table)
+    (out / "episodes.json").write_text(json.dumps(table, indent=1))
+    report["videos"] = sorted(str(p.relative_to(out)) for p in (out / "videos").glob("*.mp4")) \
+        if (out / "videos").is_dir() else []
 
 
 def format_report(report: dict) -> str:

@@ -19,9 +19,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from wmrl.grpo import collect_groups, rollout_batch
 from wmrl.kernel.interfaces import ChunkEnv, Policy
-from wmrl.kernel.types import PolicySample, Start
+from wmrl.kernel.types import Start
+from wmrl.rl.rollout import collect_groups, pad_slots, replay_open_loop, slot_ids
 
 
 @torch.no_grad()
@@ -48,18 +48,12 @@ def replay_actions(sim_env: ChunkEnv, starts: Sequence[Start], chunks: Sequence[
     out = torch.zeros(len(starts), dtype=torch.bool)
     for lo in range(0, len(starts), b):
         idx = list(range(lo, min(lo + b, len(starts))))
-        pad = b - len(idx)
-        st = [starts[i] for i in idx] + [starts[idx[-1]]] * pad
-        seqs = [chunks[i].float() for i in idx] + [chunks[idx[-1]].float()] * pad
-        lengths = torch.tensor([s.shape[0] for s in seqs])
-        ids = torch.cat([torch.arange(len(idx)), torch.full((pad,), -1, dtype=torch.long)])
-
-        def fn(n, obs, seqs=seqs):
-            acts = torch.stack([s[min(n, s.shape[0] - 1)] for s in seqs])
-            return PolicySample(acts, torch.zeros(len(seqs)))
-
-        ro = rollout_batch(sim_env, None, st, ids, int(lengths.max()), actions_fn=fn,  # type: ignore[arg-type]
-                           chunk_limits=lengths)
+        st = pad_slots([starts[i] for i in idx], b)
+        seqs = pad_slots([chunks[i].float() for i in idx], b)
+        lengths = torch.tensor([q.shape[0] for q in seqs])
+        steps = range(int(lengths.max()))          # a sequence repeats its last chunk past its end
+        padded = torch.stack([torch.stack([q[min(n, q.shape[0] - 1)] for n in steps]) for q in seqs])
+        ro = replay_open_loop(sim_env, st, slot_ids(len(idx), b), padded, lengths)
         out[idx] = ro.success[: len(idx)]
     return out
 

@@ -39,45 +39,9 @@ def start_obs(start: Start) -> Obs:
     ctx = start.context
     if ctx is None:
         raise ValueError(f"Start for task {start.task_name!r} has no context frames; ImaginationEnv needs "
-                         "real frames (use starts_from_store(...) or put a SimEnv observation in Start.context)")
+                         "real frames (use wmrl.rl.starts.starts_from_store(...) or put a SimEnv observation in Start.context)")
     last = ctx.index([ctx.batch_size - 1])
     return Obs(last.images, last.proprio, [start.instruction or (ctx.task[-1] if ctx.task else "")])
-
-
-def starts_from_store(store, n: int, rng: np.random.Generator, episodes: Sequence[int] | None = None,
-                      min_steps_left: int = 8, context: int = 1) -> list[Start]:
-    """Keyframe starts: ``n`` (episode, step) pairs drawn uniformly over the steps of ``episodes``
-    (default all) of an ``EpisodeStore`` with at least ``min_steps_left`` steps after them.
-
-    Returns ``Start`` objects with ``context`` (the last ``context`` frames up to that step, padded
-    by repeating step 0), ``episode``, ``step``, ``task_name``, ``instruction`` and, when stored,
-    ``sim_state`` of that step (so the same start can be replayed in a ``SimEnv``).
-    """
-    eps = list(range(len(store))) if episodes is None else list(episodes)
-    if not eps:
-        raise ValueError("starts_from_store needs at least one episode")
-    lengths = np.asarray(store.lengths)[eps]
-    counts = np.maximum(lengths - min_steps_left, 0)
-    if counts.sum() == 0:
-        raise ValueError(f"no episode has more than min_steps_left={min_steps_left} steps")
-    probs = counts / counts.sum()
-    cache: dict[int, object] = {}
-    out = []
-    for _ in range(n):
-        k = int(rng.choice(len(eps), p=probs))
-        t = int(rng.integers(0, counts[k]))
-        i = eps[k]
-        if i not in cache:
-            cache[i] = store.episode(i)
-        ep = cache[i]
-        steps = [max(0, t - context + 1 + j) for j in range(context)]
-        ctx = Obs(images={c: torch.from_numpy(np.asarray(v[steps])) for c, v in ep.images.items()},
-                  proprio=torch.from_numpy(np.asarray(ep.proprio[steps], dtype=np.float32)),
-                  task=[ep.instruction] * context)
-        sim_state = None if ep.sim_states is None else np.asarray(ep.sim_states[t])
-        out.append(Start(task_name=ep.task_name, instruction=ep.instruction, init_index=None, split="train",
-                         sim_state=sim_state, context=ctx, episode=i, step=t))
-    return out
 
 
 class ImaginationEnv:

@@ -10,8 +10,8 @@ really do before the policy is optimised against it again. The optimisation itse
 imagination; the real rollouts are data for the world model (a few dozen per refresh, against the
 thousands of imagined rollouts).
 
-:class:`WorldModelRefresher` is the callback ``wmrl.grpo.train_grpo(refresh_fn=...)`` calls every
-``refresh_every`` iterations. :func:`record_episodes` runs a policy in a ``SimEnv`` and keeps every
+:class:`WorldModelRefresher` is the callback of ``wmrl.rl.loop.RefreshHook`` that ``train_grpo`` calls every
+``every`` iterations. ``wmrl.rl.rollout.record_episodes`` runs a policy in a ``SimEnv`` and keeps every
 control step (the pipeline's BC rollouts use it too).
 """
 
@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from wmrl.kernel.types import Episode, Start
+from wmrl.rl.rollout import record_episodes
+from wmrl.rl.starts import InitStateStarts
 
 log = logging.getLogger("wmrl.refresh")
 
@@ -40,67 +42,6 @@ def store_like(template, dest, source: str):
     return EpisodeStore.create(dest, cameras={k: tuple(v) for k, v in m["cameras"].items()}, state_dim=m["state_dim"],
                                action_dim=m["action_dim"], fps=m["fps"], action_space=template.action_space,
                                embodiment=m.get("embodiment", "panda"), source=source, overwrite=True)
-
-
-@torch.no_grad()
-def record_episodes(env, policy, starts: list[Start], max_steps: int, generator: torch.Generator | None = None,
-                    source: str = "policy_rollout", progress: bool = False, desc: str = "rollouts") -> list[Episode]:
-    """Run ``policy`` from every start once and return the whole episodes (every control step).
-
-    Each sampled chunk ``(B, H, D_a)`` is executed one step at a time (``env.step`` with ``H = 1``)
-    so that every step's observation is recorded, exactly as a scripted demo is. An episode ends at
-    termination, truncation or ``max_steps``. ``env`` must not auto-reset in a way that hides the
-    boundary (``StepResult.done`` marks it). Returns ``Episode`` objects (``sim_states`` when the
-    env exposes ``sim_state(slot)``), in the order of ``starts``.
-    """
-    b = env.num_envs
-    out: list[Episode] = []
-    batches = range(0, len(starts), b)
-    if progress:
-        from tqdm import tqdm
-
-        batches = tqdm(batches, desc=desc, leave=False)
-    for i in batches:
-        real = list(starts[i:i + b])
-        batch = real + [real[-1]] * (b - len(real))
-        obs = env.reset(batch)
-        n = len(real)
-        buf = [{"images": {k: [] for k in obs.images}, "proprio": [], "actions": [], "rewards": [], "states": []}
-               for _ in range(n)]
-        alive = np.zeros(b, bool)
-        alive[:n] = True
-        success = np.zeros(b, bool)
-        t = 0
-        has_state = hasattr(env, "sim_state")
-        while alive.any() and t < max_steps:
-            chunk = policy.sample(obs, generator=generator).actions
-            for h in range(chunk.shape[1]):
-                if not alive.any() or t >= max_steps:
-                    break
-                for j in np.flatnonzero(alive[:n]):
-                    for k, v in obs.images.items():
-                        buf[j]["images"][k].append(v[j].cpu().numpy())
-                    buf[j]["proprio"].append(obs.proprio[j].cpu().numpy())
-                    buf[j]["actions"].append(chunk[j, h].cpu().numpy())
-                    if has_state:
-                        buf[j]["states"].append(np.asarray(env.sim_state(int(j))))
-                res = env.step(chunk[:, h:h + 1])
-                for j in np.flatnonzero(alive[:n]):
-                    buf[j]["rewards"].append(float(res.reward[j]))
-                    if bool(res.success[j]):
-                        success[j] = True
-                alive &= ~res.done.cpu().numpy().astype(bool)
-                obs = res.obs
-                t += 1
-        for j, s in enumerate(real):
-            d = buf[j]
-            out.append(Episode(
-                images={k: np.stack(v).astype(np.uint8) for k, v in d["images"].items()},
-                proprio=np.stack(d["proprio"]).astype(np.float32), actions=np.stack(d["actions"]).astype(np.float32),
-                rewards=np.asarray(d["rewards"], np.float32), success=bool(success[j]), instruction=s.instruction,
-                task_name=s.task_name, sim_states=np.stack(d["states"]) if d["states"] else None,
-                info={"source": source, "init_index": s.init_index, "split": s.split}))
-    return out
 
 
 class WorldModelRefresher:
@@ -187,10 +128,8 @@ class WorldModelRefresher:
 
     # ---------------------------------------------------------------- rollouts
     def starts(self, iteration: int) -> list[Start]:
-        rng = np.random.default_rng([self.seed, 29, int(iteration)])
         k = min(self.episodes_per_task, self.n_init)
-        return [Start(task_name=t, instruction=ins, init_index=int(i), split="train")
-                for t, ins in self.tasks.items() for i in rng.choice(self.n_init, size=k, replace=False)]
+        return InitStateStarts(self.tasks, self.n_init, k, split="train", seed=self.seed, stream=(29,))(iteration)
 
     def _store_round(self, episodes: list[Episode], folder: Path) -> None:
         st = store_like(self.template, folder, "grpo_refresh")

@@ -57,7 +57,7 @@ def compare(runs: dict[str, dict], target: float | None = None) -> dict[str, Any
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
-    from wmrl.run import post_train
+    from wmrl.run import grpo_job
     from wmrl.run.stages import compose_stage_config
 
     def _c(x):
@@ -74,7 +74,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
                            "critic": str(ctx.path(cfg.critic_checkpoint))}
         sub_cfg = compose_stage_config("post_train", over, groups=[f"env={env_name}"])
         sub = ctx.child(env_name, sub_cfg)
-        rep = post_train.run(sub_cfg, sub)
+        rep = grpo_job.run(sub_cfg, sub)
         sub.finish(rep)
         reports[env_name] = rep
     res = compare(reports, cfg.get("target_success"))

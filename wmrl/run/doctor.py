@@ -119,12 +119,12 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     print(f"memory     {mem.get('memavailable_gib')} GiB free of {mem.get('memtotal_gib')} GiB; "
           f"disk {mem['disk_free_gib']} GiB free at {mem['disk_path']}")
     rend = _renderer()
-    print(f"renderer   " + (f"{rend['backend']} works (MUJOCO_GL={rend['MUJOCO_GL'] or 'unset: egl, then osmesa'})" if rend["ok"] else
+    print("renderer   " + (f"{rend['backend']} works (MUJOCO_GL={rend['MUJOCO_GL'] or 'unset: egl, then osmesa'})" if rend["ok"] else
                             f"NONE: {rend['error']}"))
     ver = _versions()
     print("packages   " + ", ".join(f"{k} {v}" for k, v in ver.items() if v))
     lib = _libero()
-    print(f"LIBERO     " + (f"environment at {lib['path']}" if lib["present"] else f"no environment ({lib['path']} not found)"))
+    print("LIBERO     " + (f"environment at {lib['path']}" if lib["present"] else f"no environment ({lib['path']} not found)"))
     report = {"cpu": cpu, "precision": prec.as_dict(), "bf16_slowdown": slow,
               "threads": {"auto": k, "reason": why, "busy_cores": busy}, "memory_disk": mem, "renderer": rend,
               "versions": ver, "libero": lib}

@@ -19,50 +19,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from wmrl.evaluation import evaluate_policy, format_report
+from wmrl.run.builders import build_actor, build_suite
 from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.evaluate")
-
-
-class InstructionOverride:
-    """A policy that is given ``instruction`` instead of the task's own (instruction-following
-    checks: same scene and success test, other words). Forwards everything else to ``policy``."""
-
-    def __init__(self, policy, instruction: str):
-        self.policy, self.instruction = policy, str(instruction)
-        self.chunk_size, self.action_dim = policy.chunk_size, policy.action_dim
-
-    def sample(self, obs, generator=None):
-        from wmrl.kernel.types import Obs
-
-        return self.policy.sample(Obs(obs.images, obs.proprio, [self.instruction] * obs.batch_size), generator)
-
-    def __getattr__(self, name):
-        return getattr(self.policy, name)
-
-
-def build_suite(suite_cfg: dict):
-    """The suite from its (resolved) config dict: picklable with ``functools.partial`` for workers."""
-    return instantiate(suite_cfg)
-
-
-def build_actor(checkpoint: str, noise: float, suite_cfg: dict, device: str = "cpu", sampler_cfg: dict | None = None,
-                instruction: str | None = None):
-    """The scripted expert (``checkpoint="expert"``) or the policy in a checkpoint folder (in eval
-    mode, with ``sampler_cfg`` instantiated as its sampler when given, and given ``instruction``
-    instead of the task's when set), for worker processes."""
-    if checkpoint == "expert":
-        if instruction:
-            raise ValueError("instruction= applies to a policy checkpoint; the scripted expert reads no instruction")
-        return build_suite(suite_cfg).make_expert(float(noise))
-    from wmrl.kernel.checkpoint import load_checkpoint
-
-    policy = load_checkpoint(checkpoint, map_location=device)
-    if hasattr(policy, "eval"):
-        policy.eval()
-    if sampler_cfg:
-        policy.sampler = instantiate(sampler_cfg)
-    return InstructionOverride(policy, instruction) if instruction else policy
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:

@@ -33,30 +33,26 @@ from wmrl.run.common import RunContext, run_main
 
 def _policy_check(cfg: DictConfig, wm, critic, ctx: RunContext) -> dict:
     """Imagined vs real-sim success of ``cfg.policy_check.policy`` from the same eval starts."""
-    from wmrl import grpo
     from wmrl.imagination import ImaginationEnv
-    from wmrl.run.post_train import (
-        ContextStarts,
-        load_policy,
-        task_instructions,
-        using_sampler,
-    )
+    from wmrl.rl.evaluate import evaluate_success
+    from wmrl.rl.starts import ContextStarts, all_starts
+    from wmrl.run.builders import load_policy, task_instructions, using_sampler
 
     pc = cfg.policy_check
     policy, _ = load_policy(str(ctx.path(pc.policy)))
     policy.eval()
     suite = instantiate(pc.suite)
     tasks = task_instructions(pc.tasks if pc.get("tasks") else suite.task_names)
-    starts = grpo.all_starts(tasks, int(pc.episodes_per_task), split="eval")
+    starts = all_starts(tasks, int(pc.episodes_per_task), split="eval")
     sim_env = suite.make_env(int(pc.num_envs))
     sampler = instantiate(pc.sampler) if pc.get("sampler") else None
     with using_sampler(policy, sampler):
-        real = grpo.evaluate_success(sim_env, policy, starts, int(pc.max_chunks), seed=int(cfg.seed), progress=True)
+        real = evaluate_success(sim_env, policy, starts, int(pc.max_chunks), seed=int(cfg.seed), progress=True)
         ctx_starts = ContextStarts(lambda _i: starts, suite.make_env(int(pc.num_envs))).contextualize(starts)
         imag_env = ImaginationEnv(wm, critic, num_envs=int(pc.num_envs), max_chunks=int(pc.max_chunks),
                                   success_threshold=float(pc.success_threshold),
                                   success_patience=int(pc.get("success_patience", 1)), seed=int(cfg.seed))
-        imag = grpo.evaluate_success(imag_env, policy, ctx_starts, int(pc.max_chunks), seed=int(cfg.seed), progress=True)
+        imag = evaluate_success(imag_env, policy, ctx_starts, int(pc.max_chunks), seed=int(cfg.seed), progress=True)
     agree = float(np.mean([a["success"] == b["success"] for a, b in zip(real["episodes"], imag["episodes"])]))
     rc = pc.get("replay_check") or {}
     replay = None

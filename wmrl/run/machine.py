@@ -189,8 +189,8 @@ def _time_critic(cfg: DictConfig, out: dict[str, float]):
 
 def _time_imagination(cfg: DictConfig, policy, wm, critic, out: dict[str, float]) -> None:
     """``imagine_per_rollout_s`` and ``policy_sde_per_rollout_s`` (GRPO's RL sampler) into ``out``."""
+    from wmrl.run.builders import using_sampler
     from wmrl.run.measure import random_obs
-    from wmrl.run.post_train import using_sampler
 
     g = _stage_config(cfg, "grpo")
     nb = int(g.env.num_envs)

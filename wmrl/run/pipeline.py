@@ -39,7 +39,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from wmrl.kernel.types import Start
-from wmrl.refresh import record_episodes, store_like
+from wmrl.refresh import store_like
+from wmrl.rl.rollout import record_episodes
 from wmrl.run import machine
 from wmrl.run.common import RunContext, run_main
 from wmrl.run.figures import plot_before_after, plot_imagined_vs_real, real_curve
@@ -86,8 +87,7 @@ def merge_stores(sources: list[Path], dest: Path, source: str = "pipeline") -> d
 def _eval_policy(policy_path: Path, cfg: DictConfig, tasks: dict, suite, out_dir: Path | None, videos: int) -> dict:
     from functools import partial
 
-    from wmrl.run.evaluate import build_actor, build_suite
-    from wmrl.run.post_train import evaluate_real
+    from wmrl.run.builders import build_actor, build_suite, evaluate_real
 
     suite_cfg = to_container(cfg.suite)
     sampler_cfg = to_container(cfg.eval_sampler) if cfg.get("eval_sampler") else None
@@ -104,10 +104,9 @@ def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: di
     """Before GRPO: does this run's imagination rank the BC policy's rollouts (GRPO's RL sampler or
     its latent-noise steering, group size and horizon, GRPO's first train init states) like the sim? See
     :func:`wmrl.fidelity.replay_check`."""
-    from wmrl import grpo
     from wmrl.fidelity import replay_check
-    from wmrl.run.post_train import (
-        ContextStarts,
+    from wmrl.rl.starts import ContextStarts, InitStateStarts
+    from wmrl.run.builders import (
         load_policy,
         make_imagination_env,
         make_sim_env,
@@ -121,8 +120,8 @@ def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: di
     if rl_sampler is not None:
         policy.sampler = rl_sampler
     g = int(gcfg.grpo.group_size)
-    starts = grpo.InitStateStarts(tasks, n_init=train_n_init(gcfg.starts, suite, tasks), per_task=int(c.starts_per_task),
-                                  split="train", seed=int(c.seed))(0)
+    starts = InitStateStarts(tasks, n_init=train_n_init(gcfg.starts, suite, tasks), per_task=int(c.starts_per_task),
+                             split="train", seed=int(c.seed))(0)
     sim_env = make_sim_env(int(c.num_envs), suite=suite)        # renders the context frames, then replays
     starts = ContextStarts(None, sim_env).contextualize(starts)
     kw = to_container(gcfg.env.get("imagination")) or {}
@@ -170,7 +169,7 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
     saved = OmegaConf.to_container(cfg, resolve=True)
     saved.pop("presets", None)           # the applied one is merged in (and named by `preset`)
     (ctx.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
-    from wmrl.run.post_train import make_sim_env
+    from wmrl.run.builders import make_sim_env
 
     suite_cfg = to_container(cfg.suite)
     suite_cfg["tasks"] = list(cfg.tasks)
@@ -213,7 +212,7 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
 
     def _bc_rollouts(scfg, sctx):
         from wmrl.kernel.storage import EpisodeStore
-        from wmrl.run.post_train import load_policy, using_sampler
+        from wmrl.run.builders import load_policy, using_sampler
 
         policy, _ = load_policy(bc_ckpt, cfg.device)
         policy.eval()

@@ -27,7 +27,7 @@ key                 dtype / shape               meaning
 ``length``          int64                       ``T``
 ==================  ==========================  ==================================================
 
-Use :func:`masked_mse` with ``action_pad`` (True = padded) so that padded targets do not
+Use :func:`masked_mse` with ``action_pad`` (or :func:`wmrl.kernel.tensors.masked_mean` with ``~action_pad``) so that padded targets do not
 enter a loss (Diffusion Policy and LeRobot train with the same ``action_is_pad`` mask).
 """
 
@@ -42,6 +42,7 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from wmrl.kernel.storage.episode_store import EpisodeStore, window_indices
+from wmrl.kernel.tensors import expand_keep, masked_mean
 
 
 class WindowDataset(Dataset):
@@ -181,27 +182,6 @@ class WindowDataset(Dataset):
         return self.get_batch(ks.numpy())
 
 
-def _mean_over_unpadded(values: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` over entries whose ``pad_mask`` is False (the loss reduction of
-    :func:`masked_mse`; not to be confused with ``masked_mean`` of the RL losses, whose mask is
-    True = keep).
-
-    Args:
-        values: ``(B, H, ...)`` per-element losses; must be finite where not padded.
-        pad_mask: bool ``(B, H)`` (any leading prefix of ``values.shape``), True = padded (ignored).
-
-    Returns a scalar; 0 when every entry is padded. Padded entries do not enter the value or the
-    gradient, even when they are inf or NaN.
-
-    Raises:
-        ValueError: ``pad_mask`` is not bool or its shape is not a prefix of ``values.shape``.
-    """
-    valid = _expand_valid(pad_mask, values)
-    v = torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
-    n = valid.expand_as(values).sum().clamp_min(1)
-    return v.sum() / n
-
-
 def masked_mse(pred: torch.Tensor, target: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
     """Mean squared error over non-padded entries.
 
@@ -211,22 +191,13 @@ def masked_mse(pred: torch.Tensor, target: torch.Tensor, pad_mask: torch.Tensor)
             (``action_pad`` / ``future_pad`` of a window).
 
     Padded targets are replaced by ``pred.detach()`` before the difference, so their value (1e6,
-    inf, NaN) changes neither the loss nor the gradient. Returns a scalar of ``pred.dtype``.
-
-    Raises:
-        ValueError: ``pred`` and ``target`` differ in shape, or ``pad_mask`` is not a bool prefix.
+    inf, NaN) changes neither the loss nor the gradient.
     """
     if pred.shape != target.shape:
         raise ValueError(f"pred {tuple(pred.shape)} and target {tuple(target.shape)} differ in shape")
-    valid = _expand_valid(pad_mask, pred)
-    target = torch.where(valid, target, pred.detach())
-    return _mean_over_unpadded((pred - target) ** 2, pad_mask)
-
-
-def _expand_valid(pad_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    pad_mask = torch.as_tensor(pad_mask, device=like.device)
-    if pad_mask.dtype != torch.bool:
-        raise ValueError(f"pad_mask must be bool (True = padded), got {pad_mask.dtype}")
-    if tuple(like.shape[: pad_mask.ndim]) != tuple(pad_mask.shape):
-        raise ValueError(f"pad_mask {tuple(pad_mask.shape)} is not a prefix of the value shape {tuple(like.shape)}")
-    return (~pad_mask).reshape(*pad_mask.shape, *([1] * (like.ndim - pad_mask.ndim)))
+    pad = torch.as_tensor(pad_mask, device=pred.device)
+    if pad.dtype != torch.bool:
+        raise ValueError(f"pad_mask must be bool (True = padded), got {pad.dtype}")
+    keep = ~pad
+    target = torch.where(expand_keep(keep, pred), target, pred.detach())
+    return masked_mean((pred - target) ** 2, keep)

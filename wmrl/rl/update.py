@@ -1,0 +1,218 @@
+"""GRPO's update: the flat transitions that enter the loss and PPO-style epochs over them.
+
+:func:`grpo_update` runs epochs of the clipped surrogate (Schulman et al. 2017) on the chunk
+log-probs, recomputed with gradient, with an optional KL penalty to a frozen reference policy
+(:func:`make_reference`), as in Flow-GRPO (Liu et al. 2025). With ``ratio="fpo"`` the ratio is FPO's
+instead (McAllister et al. 2025, "Flow Matching Policy Gradients"): ``exp(L_old - L_new)`` of the
+sampled chunk's conditional flow-matching loss at fixed ``(t, eps)`` draws, so the update is an
+advantage-signed, clipped flow-matching step on the executed chunks and needs no per-denoising-step
+Gaussian densities.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from wmrl.kernel.interfaces import Policy
+from wmrl.kernel.types import Obs, PolicySample, Rollout
+from wmrl.rl.losses import clipped_surrogate_loss, kl_to_reference
+from wmrl.rl.rollout import cat_samples
+
+
+@dataclass
+class TransitionBatch:
+    """Flat chunk transitions for the update: ``M`` (slot, chunk) pairs of alive slots of valid groups.
+
+    Attributes: ``obs`` (batch ``M``), ``samples`` (batch ``M``), ``advantages float32 (M,)``,
+    ``weights float32 (M,)``."""
+
+    obs: Obs
+    samples: PolicySample
+    advantages: torch.Tensor
+    weights: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.advantages.shape[0])
+
+    def index(self, idx: torch.Tensor) -> TransitionBatch:
+        return TransitionBatch(self.obs.index(idx), self.samples.index(idx), self.advantages[idx], self.weights[idx])
+
+
+def build_transitions(rollouts: Sequence[Rollout], slot_adv: torch.Tensor, slot_valid: torch.Tensor,
+                      slot_weight: torch.Tensor | None = None) -> TransitionBatch | None:
+    """Flatten rollouts into the transitions that enter the loss.
+
+    Args:
+        slot_adv, slot_valid, slot_weight: ``(M,)`` per real slot, in the order of
+            :func:`wmrl.rl.rollout.rollout_returns`. Only alive chunks of valid slots are kept.
+
+    Returns: a ``TransitionBatch`` or ``None`` when nothing carries signal."""
+    obs_parts, sample_parts, adv_parts, w_parts = [], [], [], []
+    k = 0
+    for ro in rollouts:
+        real = (ro.group_ids >= 0).nonzero().flatten()
+        m = real.numel()
+        a = torch.zeros(ro.group_ids.shape[0]); v = torch.zeros(ro.group_ids.shape[0], dtype=torch.bool)
+        w = torch.ones(ro.group_ids.shape[0])
+        a[real] = slot_adv[k:k + m]; v[real] = slot_valid[k:k + m]
+        if slot_weight is not None:
+            w[real] = slot_weight[k:k + m]
+        k += m
+        for n, (o, s) in enumerate(zip(ro.obs, ro.samples)):
+            sel = (ro.alive[:, n] & v).nonzero().flatten()
+            if sel.numel() == 0:
+                continue
+            obs_parts.append(o.index(sel)); sample_parts.append(s.index(sel))
+            adv_parts.append(a[sel]); w_parts.append(w[sel])
+    if not obs_parts:
+        return None
+    return TransitionBatch(Obs.cat(obs_parts), cat_samples(sample_parts), torch.cat(adv_parts), torch.cat(w_parts))
+
+
+@dataclass
+class GRPOConfig:
+    """Hyper-parameters of one GRPO iteration (defaults follow Flow-GRPO / PPO practice).
+
+    Attributes:
+        group_size: ``G`` rollouts per start.
+        max_chunks: chunk limit per rollout (``N``).
+        epochs: update epochs over the collected chunks.
+        minibatch_size: transitions per gradient step.
+        clip_eps: PPO ratio clip.
+        kl_coef: weight of the k3 KL to the frozen reference policy (0 disables it).
+        max_grad_norm: gradient-norm clip.
+        std_floor: floor on the group reward std.
+        scale_by_std: ``False`` uses the mean-only (Dr. GRPO) baseline.
+        reward_mode: see :func:`wmrl.rl.rollout.rollout_returns`.
+        success_bonus: success bonus for ``reward_mode="return+success"``.
+        ratio: ``"per_step"``: one importance ratio per denoising transition of the chain, each
+            clipped (Flow-GRPO, Liu et al. 2025); ``"chain"``: one ratio for the whole chain's
+            log-prob (its product over the steps, clipped far more often); ``"fpo"``: FPO's ratio
+            ``exp(L_old - L_new)`` of the chunk's flow-matching loss (the policy needs
+            ``flow_matching_loss``; ``kl_coef`` must be 0).
+        fpo_samples: ``(t, eps)`` draws per chunk for the FPO loss estimate (drawn once per update,
+            shared by the old and new parameters). ``t`` is uniform on ``[0.001, 1)``.
+    """
+
+    group_size: int = 8
+    max_chunks: int = 10
+    epochs: int = 2
+    minibatch_size: int = 64
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    std_floor: float = 1e-2
+    scale_by_std: bool = True
+    reward_mode: str = "return"
+    success_bonus: float = 1.0
+    ratio: str = "per_step"
+    fpo_samples: int = 4
+
+    def __post_init__(self):
+        if self.ratio not in ("per_step", "chain", "fpo"):
+            raise ValueError(f"GRPOConfig.ratio must be 'per_step', 'chain' or 'fpo', got {self.ratio!r}")
+        if self.ratio == "fpo" and self.kl_coef > 0:
+            raise ValueError("GRPOConfig: ratio='fpo' has no log-probs for the KL to the reference; set kl_coef=0")
+        if int(self.fpo_samples) < 1:
+            raise ValueError(f"GRPOConfig.fpo_samples must be >= 1, got {self.fpo_samples}")
+
+
+def _old_log_probs(batch: TransitionBatch, likelihood: Callable[[TransitionBatch, torch.Tensor], torch.Tensor],
+                   recompute: bool, chunk: int) -> torch.Tensor:
+    """Log-likelihoods of the recorded chunks at the sampling parameters (no grad): the recorded chain
+    log-prob, or (``recompute``: per-step ratios, FPO) ``likelihood(minibatch, idx)`` evaluated in
+    minibatches of ``chunk`` before the first update (identical parameters, so every ratio starts at
+    exactly 1)."""
+    if not recompute:
+        return batch.samples.log_prob
+    parts = []
+    with torch.no_grad():
+        for i in range(0, len(batch), chunk):
+            idx = torch.arange(i, min(i + chunk, len(batch)))
+            parts.append(likelihood(batch.index(idx), idx).detach())
+    return torch.cat(parts)
+
+
+def _fpo_draws(batch: TransitionBatch, n: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FPO's Monte-Carlo draws for every transition: ``t float32 (M, n)`` uniform on ``[0.001, 1)`` and
+    ``eps float32 (M, n, H, D_a)`` standard normal, shaped after the recorded chains."""
+    chain = batch.samples.extras.get("chain")
+    if chain is None:
+        raise ValueError("ratio='fpo' needs the sampled chains (extras['chain']): sample with policies.samplers.SDESampler")
+    m, shape = chain.shape[0], tuple(chain.shape[2:])
+    t = 0.001 + 0.999 * torch.rand(m, n, generator=generator)
+    eps = torch.randn(m, n, *shape, generator=generator)
+    return t, eps
+
+
+def check_policy(policy: Policy, cfg: GRPOConfig) -> None:
+    """Raise ``ValueError`` when ``policy`` cannot give the likelihood ``cfg.ratio`` needs (``"fpo"``:
+    a ``flow_matching_loss``), so that a run fails before its first rollout."""
+    if cfg.ratio == "fpo" and getattr(policy, "flow_matching_loss", None) is None:
+        raise ValueError(f"ratio='fpo' needs a flow-matching policy with flow_matching_loss(obs, sample, t, eps); "
+                         f"{type(policy).__name__} has none (use ratio=per_step or chain)")
+
+
+def _fpo_log_likelihood(policy: Policy, obs: Obs, samples: PolicySample, t: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """``-L_cfm`` ``float32 (B,)``: FPO's stand-in for the chunk log-likelihood (its differences are
+    log-ratio estimates)."""
+    return -policy.flow_matching_loss(obs, samples, t, eps)  # type: ignore[attr-defined]
+
+
+def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: TransitionBatch, cfg: GRPOConfig,
+                ref_policy: Policy | None = None, generator: torch.Generator | None = None) -> dict[str, float]:
+    """PPO-style epochs over ``batch``; returns mean diagnostics (loss, approx_kl, clip_frac, kl_ref,
+    grad_norm, ratio stats). ``policy`` must be a ``torch.nn.Module`` whose ``log_prob`` (or, for
+    ``cfg.ratio == "fpo"``, ``flow_matching_loss``) is differentiable."""
+    check_policy(policy, cfg)
+    params = [p for p in policy.parameters() if p.requires_grad]  # type: ignore[attr-defined]
+    m = len(batch)
+    per_step = cfg.ratio == "per_step"
+    if cfg.ratio == "fpo":
+        fpo_t, fpo_eps = _fpo_draws(batch, int(cfg.fpo_samples), generator)
+
+        def likelihood(mb: TransitionBatch, idx: torch.Tensor) -> torch.Tensor:
+            return _fpo_log_likelihood(policy, mb.obs, mb.samples, fpo_t[idx], fpo_eps[idx])
+    else:
+        def likelihood(mb: TransitionBatch, idx: torch.Tensor) -> torch.Tensor:
+            return policy.log_prob(mb.obs, mb.samples, per_step=per_step)
+    old_all = _old_log_probs(batch, likelihood, per_step or cfg.ratio == "fpo", cfg.minibatch_size)
+    stats: dict[str, list[float]] = {}
+    for _ in range(cfg.epochs):
+        perm = torch.randperm(m, generator=generator)
+        for i in range(0, m, cfg.minibatch_size):
+            idx = perm[i:i + cfg.minibatch_size]
+            mb = batch.index(idx)
+            new_lp = likelihood(mb, idx)
+            loss, st = clipped_surrogate_loss(new_lp, old_all[idx], mb.advantages, clip_eps=cfg.clip_eps,
+                                              weights=mb.weights)
+            if cfg.kl_coef > 0 and ref_policy is not None:
+                with torch.no_grad():
+                    ref_lp = ref_policy.log_prob(mb.obs, mb.samples, per_step=per_step)
+                kl = kl_to_reference(new_lp, ref_lp)
+                loss = loss + cfg.kl_coef * kl
+                st["kl_ref"] = float(kl.detach())
+            if not torch.isfinite(loss):
+                raise FloatingPointError("GRPO loss is NaN/inf: the policy's log_prob is not finite for a recorded chain")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            optimizer.step()
+            st["loss"] = float(loss.detach())
+            st["grad_norm"] = float(gn)
+            for k, v in st.items():
+                stats.setdefault(k, []).append(v)
+    return {k: float(np.mean(v)) for k, v in stats.items()}
+
+
+def make_reference(policy: Policy) -> Policy:
+    """A frozen deep copy of ``policy`` (the KL reference)."""
+    ref = copy.deepcopy(policy)
+    for p in ref.parameters():  # type: ignore[attr-defined]
+        p.requires_grad_(False)
+    return ref

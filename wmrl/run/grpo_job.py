@@ -1,0 +1,221 @@
+"""The GRPO post-training job behind ``wmrl post-train`` and ``wmrl bench grpo`` (a non-entry module of
+``wmrl.run``, so both entry points can run it without importing each other).
+
+:func:`run` builds the suite (``cfg.suite``), the GRPO ChunkEnv (:func:`wmrl.run.builders.build_env`:
+the suite's ``SimEnv``, an ``ImaginationEnv`` from world-model and critic checkpoints, or any
+``env.chunk_env`` ``_target_``), the policy (checkpoint + the RL sampler ``cfg.rl_sampler``), the start
+providers (:mod:`wmrl.rl.starts`) and the hooks of :func:`wmrl.rl.loop.train_grpo`: real-sim
+evaluation (:func:`wmrl.run.builders.evaluate_real`), the world-model reward mitigations
+(``cfg.mitigations``: ``debias``, online debiasing from a few real-sim rollouts, needs a suite or
+``cfg.mitigations.debias.env``; ``denoise``, inverse-variance weighting over ``samples`` extra imagined
+replays with other seeds), the world-model refresh (``cfg.refresh``) and checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from wmrl.kernel.interfaces import RandomStreams
+from wmrl.rl import loop
+from wmrl.rl.debias import OnlineDebiaser, real_rollout_fn_for
+from wmrl.rl.starts import ContextStarts, InitStateStarts, KeyframeStarts, MixedStarts
+from wmrl.rl.update import GRPOConfig, check_policy, make_reference
+from wmrl.run.builders import (
+    build_env,
+    evaluate_real,
+    load_policy,
+    make_sim_env,
+    precision_report,
+    rl_policy,
+    task_instructions,
+    train_n_init,
+    trainable_parameters,
+    using_sampler,
+)
+from wmrl.run.common import RunContext
+
+log = logging.getLogger("wmrl.post_train")
+
+
+def _maybe(cfg: DictConfig | None, key: str, default=None):
+    return default if cfg is None else cfg.get(key, default)
+
+
+def _maybe_refresher(cfg: DictConfig, ctx: RunContext, env, suite, tasks: dict, n_init: int, replay_envs):
+    """The world-model-in-the-loop refresher (``cfg.refresh``, :class:`wmrl.refresh.WorldModelRefresher`)
+    or ``None`` when ``refresh.every`` is 0. On resume it reloads its last completed round."""
+    rc = cfg.get("refresh")
+    if rc is None or int(rc.get("every", 0) or 0) <= 0:
+        return None
+    if str(cfg.env.name) != "imagination":
+        raise ValueError("refresh.every > 0 refines the world model: it needs env=imagination")
+    if suite is None:
+        raise ValueError("refresh.every > 0 needs a suite (the real sim the policy is rolled out in)")
+    if rc.get("store") in (None, "", "???"):
+        raise ValueError("refresh.every > 0 needs refresh.store=PATH: the world model's training EpisodeStore "
+                         "(replay data against forgetting)")
+    from wmrl.kernel.checkpoint import read_checkpoint_config
+    from wmrl.refresh import WorldModelRefresher
+
+    wm, cr = rc.worldmodel, rc.critic
+    r = WorldModelRefresher(
+        env, make_sim_env(int(rc.num_envs), suite=suite), tasks, ctx.out_dir / "refresh", ctx.path(rc.store),
+        read_checkpoint_config(ctx.path(cfg.env.world_model)), read_checkpoint_config(ctx.path(cfg.env.critic)),
+        n_init=n_init, episodes_per_task=int(rc.episodes_per_task), max_steps=int(rc.max_steps),
+        replay_episodes=int(rc.replay_episodes), heldout_every=int(rc.heldout_every),
+        wm_seconds=float(wm.seconds), wm_lr=float(wm.lr), wm_batch_size=int(wm.batch_size),
+        wm_p_deterministic=float(wm.p_deterministic), critic_seconds=float(cr.seconds), critic_lr=float(cr.lr),
+        critic_batch_size=int(cr.batch_size), imagined_fraction=float(cr.imagined_fraction),
+        bank_size=int(cr.bank_size), bank_chunks=int(cr.bank_chunks), seed=int(cfg.seed),
+        progress=bool(cfg.get("progress", True)), also_update=replay_envs)
+    if bool(cfg.resume) and r.restore() is not None:
+        log.info("world-model refresh: resumed with the world model and critic of round %d", r.restored)
+    return r
+
+
+def _policy(cfg: DictConfig, policy_path):
+    """The policy GRPO trains (its RL sampler set), its checkpoint config, the evaluation sampler."""
+    policy, policy_cfg = load_policy(policy_path, cfg.device)
+    policy, policy_cfg, rl_sampler = rl_policy(policy, policy_cfg, cfg, str(cfg.device))
+    eval_sampler = instantiate(cfg.eval_sampler) if cfg.get("eval_sampler") else None
+    if eval_sampler is None and hasattr(policy, "sampler"):
+        eval_sampler = policy.sampler  # the checkpoint's own (deterministic) sampler
+    if rl_sampler is not None and hasattr(policy, "sampler"):
+        policy.sampler = rl_sampler
+    return policy, policy_cfg, eval_sampler
+
+
+def _starts(cfg: DictConfig, ctx: RunContext, suite, tasks: dict, n_init: int):
+    """GRPO's start provider: train init states, in imagination with their real first frames
+    (``ContextStarts``) and optionally mixed with keyframes of ``starts.store``."""
+    starts_fn = InitStateStarts(tasks, n_init=n_init, per_task=cfg.starts.per_task, split="train", seed=cfg.seed)
+    keyframes = int(cfg.starts.get("keyframes_per_task") or 0) if cfg.starts.get("store") else 0
+    if str(cfg.env.name) == "imagination":
+        ctx_env = instantiate(cfg.env.context_env) if cfg.env.get("context_env") else \
+            make_sim_env(int(cfg.env.get("context_num_envs", 4)), suite=suite)
+        starts_fn = ContextStarts(starts_fn, ctx_env)
+        if keyframes > 0:
+            starts_fn = MixedStarts(starts_fn, KeyframeStarts(ctx.path(cfg.starts.store), tasks, keyframes,
+                                                              seed=int(cfg.seed)))
+    elif keyframes > 0:
+        raise ValueError("starts.store (keyframe starts) needs env=imagination: the sim starts from init states")
+    return starts_fn
+
+
+def _eval_hook(cfg: DictConfig, suite, tasks: dict, eval_sampler) -> loop.EvalHook | None:
+    """Real-sim evaluation on held-out init states (``cfg.evaluation``), ``None`` without episodes."""
+    ev = cfg.evaluation
+    eval_env = instantiate(ev.env) if ev.get("env") else None
+
+    def evaluate_fn(p, n):
+        with using_sampler(p, eval_sampler):
+            r = evaluate_real(p, tasks, int(ev.episodes_per_task), int(ev.num_envs), int(cfg.seed), suite=suite,
+                              env=eval_env, max_chunks=int(ev.max_chunks))
+        log.info("iteration %d: real-sim success %.3f %s", n, r["success"], {k: v["success"] for k, v in r["per_task"].items()})
+        return r
+
+    return loop.EvalHook(evaluate_fn, every=int(ev.every)) if int(ev.episodes_per_task) > 0 else None
+
+
+def _debias_hook(cfg: DictConfig, suite, policy, gcfg: GRPOConfig, streams: dict) -> loop.DebiasHook | None:
+    """Online debiasing (``cfg.mitigations.debias``); its real-rollout generator joins ``streams``."""
+    deb = _maybe(cfg.get("mitigations") or {}, "debias")
+    if deb is None or not deb.get("enabled", False):
+        return None
+    if deb.get("env"):
+        real_env = instantiate(deb.env)
+    elif suite is not None:
+        real_env = make_sim_env(int(deb.get("num_envs", 4)), suite=suite)
+    else:
+        raise ValueError("mitigations.debias.enabled needs a real sim: a suite or mitigations.debias.env")
+    debiaser = OnlineDebiaser(momentum=float(deb.momentum))
+    streams["debias"] = torch.Generator().manual_seed(int(cfg.seed) + 17)
+    real_fn = real_rollout_fn_for(real_env, policy, gcfg, rollouts_per_start=int(deb.rollouts_per_start),
+                                  generator=streams["debias"])
+    return loop.DebiasHook(debiaser, real_fn, starts=int(deb.starts), every=int(_maybe(deb, "every", 1) or 1))
+
+
+def _replay_envs(cfg: DictConfig, suite) -> list:
+    """Inverse-variance denoising's replay envs (``cfg.mitigations.denoise``; empty when off)."""
+    den = _maybe(cfg.get("mitigations") or {}, "denoise")
+    if den is None or not den.get("enabled", False):
+        return []
+    return [build_env(cfg.env, suite, seed=int(cfg.seed) + 1000 + s, device=str(cfg.device))
+            for s in range(int(den.samples))]
+
+
+def _report(cfg: DictConfig, policy_path, tasks: dict, out: dict, hooks: loop.GRPOHooks, refresher, env, policy) -> dict:
+    evals = out["evals"]
+    debiaser = hooks.debias.debiaser if hooks.debias is not None else None
+    report: dict[str, Any] = {
+        "env": str(cfg.env.name),
+        "policy": str(policy_path),
+        "checkpoint": out["checkpoint"],
+        "resumed_from": out["resumed_from"],
+        "iterations": out["iterations"],
+        "tasks": list(tasks),
+        "mitigations": {"debias": debiaser is not None, "denoise": hooks.denoise is not None},
+        "steer": (OmegaConf.to_container(cfg.steer, resolve=True)
+                  if cfg.get("steer") is not None and bool(cfg.steer.get("enabled", False)) else None),
+        "refresh": None if refresher is None else {"every": int(cfg.refresh.every), "restored_round": refresher.restored,
+                                                  "rounds": [{k: v for k, v in h.items() if k.startswith("refresh/") or k == "iteration"}
+                                                             for h in out["history"] if "refresh/real_success" in h]},
+        "grpo": OmegaConf.to_container(cfg.grpo, resolve=True),
+        "evals": evals,
+        "history": out["history"],
+        "train_wall_s": float(sum(h["wall_s"] for h in out["history"])),
+        "precision": precision_report(env, policy),
+    }
+    if evals:
+        report["before"], report["after"] = evals[0], evals[-1]
+        report["success_gain"] = evals[-1]["success"] - evals[0]["success"]
+    if debiaser is not None:
+        report["debias_state"] = debiaser.state_dict()
+    return report
+
+
+def run(cfg: DictConfig, ctx: RunContext) -> dict:
+    """GRPO post-training (see module docstring). Returns the report dict: before/after real-sim
+    success with CIs, the evaluation curve, the per-iteration history, mitigation settings."""
+    if cfg.get("checkpoint") in (None, "", "???"):
+        raise ValueError("post-train needs checkpoint=PATH (a policy checkpoint folder, e.g. runs/bc/checkpoints/last)")
+    policy_path = ctx.path(cfg.checkpoint)
+    suite = instantiate(cfg.suite, tasks=list(cfg.tasks)) if cfg.get("suite") else None
+    tasks = {t: suite.instruction(t) for t in suite.task_names} if suite is not None else task_instructions(cfg.tasks)
+    policy, policy_cfg, eval_sampler = _policy(cfg, policy_path)
+    gcfg = GRPOConfig(**OmegaConf.to_container(cfg.grpo, resolve=True))  # type: ignore[arg-type]
+    check_policy(policy, gcfg)
+    ref_policy = make_reference(policy) if gcfg.kl_coef > 0 else None
+    env = build_env(cfg.env, suite, seed=int(cfg.seed), device=str(cfg.device))
+    n_init = train_n_init(cfg.starts, suite, tasks)
+    starts_fn = _starts(cfg, ctx, suite, tasks, n_init)
+    hooks = loop.GRPOHooks(evaluation=_eval_hook(cfg, suite, tasks, eval_sampler),
+                           checkpoint=loop.CheckpointHook(int(cfg.checkpoint_every)))
+    streams: dict[str, Any] = {}   # generators the loop's envs and rollout functions own (exact resume)
+    hooks.debias = _debias_hook(cfg, suite, policy, gcfg, streams)
+    replay_envs = _replay_envs(cfg, suite)
+    hooks.denoise = loop.DenoiseHook(replay_envs) if replay_envs else None
+    refresher = _maybe_refresher(cfg, ctx, env, suite, tasks, n_init, replay_envs)
+    hooks.refresh = loop.RefreshHook(refresher, int(cfg.refresh.every)) if refresher is not None else None
+    for name, e in [("env", env)] + [(f"replay{i}", e) for i, e in enumerate(replay_envs)]:
+        if isinstance(e, RandomStreams):
+            streams.update({f"{name}.{k}": g for k, g in e.rng_streams().items()})
+    optimizer = torch.optim.Adam(trainable_parameters(policy, cfg.get("trainable")), lr=float(cfg.lr))
+    writer = None
+    if cfg.get("tensorboard", True):
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(ctx.out_dir / "tb"))
+    setup = loop.GRPOSetup(policy, policy_cfg, env, optimizer, starts_fn, gcfg, ref_policy=ref_policy,
+                           rng_streams=streams, writer=writer)
+    loop_cfg = loop.LoopConfig(int(cfg.iterations), ctx.out_dir, seed=int(cfg.seed), resume=bool(cfg.resume),
+                               progress=bool(cfg.get("progress", True)))
+    out = loop.train_grpo(setup, loop_cfg, hooks)
+    if writer is not None:
+        writer.close()
+    return _report(cfg, policy_path, tasks, out, hooks, refresher, env, policy)

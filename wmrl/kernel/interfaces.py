@@ -19,6 +19,10 @@ class Policy(Protocol):
 
     chunk_size: int  # H
     action_dim: int  # D_a
+    # real-time chunking: True when ``sample`` also takes ``prefix=`` (committed actions
+    # ``float32 (P, D_a)``, controller units) and ``delay=`` (int, prefix actions frozen) and
+    # returns a chunk that continues the prefix (e.g. ``policies.rtc``, Black et al. 2025)
+    supports_rtc: bool
 
     def sample(self, obs: Obs, generator: torch.Generator | None = None) -> PolicySample:
         """Sample an action chunk ``(B, H, D_a)`` for ``obs`` (batch ``B``)."""

@@ -117,7 +117,7 @@ KNOWN = {
     "wmrl/run/machine.py imports wmrl.run.bench_policy", "wmrl/run/machine.py imports wmrl.run.pipeline",
     "wmrl/run/machine.py imports wmrl.run.bench_sim", "wmrl/run/machine.py imports wmrl.run.post_train",
     "wmrl/run/pipeline.py imports wmrl.run.evaluate", "wmrl/run/pipeline.py imports wmrl.run.post_train",
-    "wmrl/run/robot.py imports wmrl.run.serve", "wmrl/run/train_critic.py imports wmrl.run.train_worldmodel",
+    "wmrl/run/train_critic.py imports wmrl.run.train_worldmodel",
 }
 
 

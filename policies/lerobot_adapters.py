@@ -183,6 +183,8 @@ class LeRobotFlowPolicy(nn.Module):
         tokenizer_max_length: padding length of the prompt (default: the policy config's).
     """
 
+    supports_rtc = False  # no real-time chunking (wmrl.kernel.interfaces.Policy)
+
     def __init__(self, lerobot_policy: nn.Module, tokenizer: Any, camera_map: dict[str, str],
                  state_dim: int = 9, action_dim: int = 7, chunk_size: int | None = None, prompt: str = "plain",
                  norm_mode: str = "mean_std", action_space: Any = None, sampler: Any = None,

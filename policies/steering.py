@@ -76,6 +76,8 @@ class LatentNoisePolicy(nn.Module):
     ``latent_std`` ``float32 (B,)``.
     """
 
+    supports_rtc = False  # no real-time chunking (wmrl.kernel.interfaces.Policy)
+
     def __init__(self, base: Any, hidden: int = 256, bound: float = 1.5, sampler: LatentNoiseSampler | None = None):
         super().__init__()
         if isinstance(base, dict):

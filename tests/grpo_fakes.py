@@ -93,6 +93,8 @@ class NoisyToyEnv(ToyReachEnv):
 
 
 class GaussianChunkPolicy(torch.nn.Module):
+    supports_rtc = False
+
     def __init__(self, chunk_size: int = 4, action_dim: int = 3, obs_dim: int = 6, init_std: float = 0.6, seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)

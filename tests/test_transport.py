@@ -65,7 +65,7 @@ def link(request, monkeypatch):
 
     if TRANSPORTS[request.param]:
         pytest.importorskip(TRANSPORTS[request.param])
-    monkeypatch.syspath_prepend(str(REPO))  # tests.examples.loopback_transport
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "examples"))  # loopback_transport (the example)
     _CONTRACT_DOMAIN[0] += 1
     lk = make_link(_compose_robot([f"transport={request.param}"]).transport).on_loopback(_CONTRACT_DOMAIN[0])
     assert isinstance(lk, TransportLink) and lk.name == request.param
@@ -147,7 +147,7 @@ def test_a_new_transport_is_one_class_and_one_yaml(tmp_path, monkeypatch):
     from wmrl.run import robot
     from wmrl.run.common import RunContext
 
-    monkeypatch.syspath_prepend(str(REPO))
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "examples"))
     cfg = _compose_robot(["transport=loopback", "arm.kind=target", "safety.workspace_low=null",
                           "safety.workspace_high=null", "episodes=1", "control.max_steps=30",
                           f"store={tmp_path / 'eps'}"])

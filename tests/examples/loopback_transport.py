@@ -4,7 +4,9 @@ code (``tests/examples/configs/transport/loopback.yaml``; used by ``tests/test_t
 The robot and the policy server talk over a local socket pair (``socket.socketpair``), each
 serialized ``Envelope`` framed by its 4-byte big-endian length. Both ends live in one process,
 so the link is ``same_process`` and ``wmrl robot transport=loopback`` starts the server in a
-thread, as for ``transport=inproc``. Only what every transport does is implemented:
+thread, as for ``transport=inproc`` (with this folder importable and its configs on Hydra's search
+path: ``PYTHONPATH=tests/examples wmrl robot transport=loopback
+'hydra.searchpath=[file://tests/examples/configs]'``). Only what every transport does is implemented:
 ``TransportLink.robot`` / ``server`` and a ``ByteTransport`` end (``send_bytes`` plus a reader
 thread that fills the inbox, ``_CLOSED`` when the peer hung up).
 """

@@ -22,6 +22,8 @@ Architecture (sizes for the default config, ``configs/policy/flow_vla.yaml``)::
   2021) on the images.
 * Sampling is delegated to a sampler (``policies.samplers``): the Euler ODE sampler for evaluation,
   the SDE sampler (exact chain log-probs) for GRPO. Swap with ``policy.sampler = SDESampler(...)``.
+  Real-time chunking (``sample(..., prefix=, delay=)``): ``policies.rtc`` (Black et al. 2025).
+* Networks: ``policies.flow_vla_nets``.
 * Output: the sampler's final normalised chunk is unnormalised with the stored statistics
   (``quantile`` or ``mean_std``, buffers saved in the checkpoint) and clipped to the declared action
   space (``wmrl.kernel.types.ActionSpace``; see ``policies.action_space``). Log-probs are of the pre-clip
@@ -30,162 +32,18 @@ Architecture (sizes for the default config, ``configs/policy/flow_vla.yaml``)::
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from policies.action_space import as_action_space, clip_to_space
-from policies.samplers import (
-    EulerODESampler,
-    SDESampler,
-    check_sample_extras,
-    sample_extras,
-)
+from policies.flow_vla_nets import ConvEncoder, TorchvisionEncoder, VelocityHead, random_shift
+from policies.rtc import rtc_sample
+from policies.samplers import EulerODESampler, check_sample_extras, draw_noise, sample_extras
 from policies.text import EMBED_DIM, encode_instructions
 from wmrl.kernel.storage import Normalizer, masked_mse
 from wmrl.kernel.types import AGENTVIEW, EYE_IN_HAND, Obs, PolicySample
-
-# ----------------------------------------------------------------------------- building blocks
-
-class FiLM(nn.Module):
-    """``x * (1 + gamma(c)) + beta(c)``, gamma/beta initialised to zero (identity at start)."""
-
-    def __init__(self, cond_dim: int, channels: int):
-        super().__init__()
-        self.proj = nn.Linear(cond_dim, 2 * channels)
-        nn.init.zeros_(self.proj.weight)
-        nn.init.zeros_(self.proj.bias)
-
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        g, b = self.proj(c).chunk(2, dim=-1)
-        shape = (x.shape[0], -1) + (1,) * (x.ndim - 2)
-        return x * (1 + g.reshape(shape)) + b.reshape(shape)
-
-
-def _groups(c: int) -> int:
-    for g in (8, 4, 2, 1):
-        if c % g == 0:
-            return g
-    return 1
-
-
-class ConvEncoder(nn.Module):
-    """Conv stack (stride 2 per block) with GroupNorm, FiLM by the instruction, SiLU; flatten + Linear.
-
-    Input ``float32 (B, 3, Hi, Wi)`` in [-1, 1]; output ``(B, out_dim)``.
-    """
-
-    def __init__(self, image_size: Sequence[int], channels: Sequence[int], out_dim: int, film_dim: int):
-        super().__init__()
-        self.convs, self.norms, self.films = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
-        cin = 3
-        for c in channels:
-            self.convs.append(nn.Conv2d(cin, c, 3, stride=2, padding=1))
-            self.norms.append(nn.GroupNorm(_groups(c), c))
-            self.films.append(FiLM(film_dim, c))
-            cin = c
-        h, w = int(image_size[0]), int(image_size[1])
-        for _ in channels:
-            h, w = (h + 1) // 2, (w + 1) // 2
-        self.out = nn.Sequential(nn.Flatten(), nn.Linear(cin * h * w, out_dim), nn.LayerNorm(out_dim))
-
-    def forward(self, x: torch.Tensor, lang: torch.Tensor) -> torch.Tensor:
-        for conv, norm, film in zip(self.convs, self.norms, self.films):
-            x = F.silu(film(norm(conv(x)), lang))
-        return self.out(x)
-
-
-class TorchvisionEncoder(nn.Module):
-    """A torchvision classification backbone (``fc`` removed) + FiLM on its pooled features.
-
-    ``weights``: path to a local ``.safetensors`` state dict of the backbone (e.g. ImageNet
-    ``resnet18``), or ``None`` for random init. Nothing is downloaded.
-    """
-
-    def __init__(self, name: str, out_dim: int, film_dim: int, weights: str | None = None):
-        super().__init__()
-        import torchvision
-
-        if not hasattr(torchvision.models, name):
-            raise ValueError(f"unknown torchvision backbone {name!r} (e.g. resnet18)")
-        net = getattr(torchvision.models, name)(weights=None)
-        if weights:
-            from safetensors.torch import load_file
-
-            missing, unexpected = net.load_state_dict(load_file(str(weights)), strict=False)
-            if [k for k in missing if not k.startswith("fc.")]:
-                raise ValueError(f"backbone weights {weights} miss keys {missing[:5]}...")
-        feat = net.fc.in_features
-        net.fc = nn.Identity()
-        self.net = net
-        self.film = FiLM(film_dim, feat)
-        self.out = nn.Sequential(nn.Linear(feat, out_dim), nn.LayerNorm(out_dim))
-
-    def forward(self, x: torch.Tensor, lang: torch.Tensor) -> torch.Tensor:
-        return self.out(F.silu(self.film(self.net(x), lang)))
-
-
-def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sinusoidal embedding of ``t`` ``(B,)`` in [0, 1] -> ``(B, dim)`` (scaled by 1000 like DDPM)."""
-    half = dim // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
-    ang = (t.float() * 1000.0)[:, None] * freqs[None]
-    return torch.cat([torch.sin(ang), torch.cos(ang)], dim=-1)
-
-
-class ResBlock(nn.Module):
-    def __init__(self, width: int, cond_dim: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.film = FiLM(cond_dim, width)
-        self.fc1 = nn.Linear(width, width * 2)
-        self.fc2 = nn.Linear(width * 2, width)
-
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        h = self.film(self.norm(x), c)
-        return x + self.fc2(F.silu(self.fc1(h)))
-
-
-class VelocityHead(nn.Module):
-    """Residual MLP over the flattened chunk: ``(x_t (B,H,D_a), t (B,), cond (B,C)) -> v (B,H,D_a)``."""
-
-    def __init__(self, chunk_size: int, action_dim: int, cond_dim: int, width: int, depth: int, time_dim: int):
-        super().__init__()
-        self.h, self.d, self.time_dim = chunk_size, action_dim, time_dim
-        self.inp = nn.Linear(chunk_size * action_dim, width)
-        self.time_mlp = nn.Sequential(nn.Linear(time_dim, cond_dim), nn.SiLU(), nn.Linear(cond_dim, cond_dim))
-        self.blocks = nn.ModuleList([ResBlock(width, cond_dim) for _ in range(depth)])
-        self.norm = nn.LayerNorm(width)
-        self.out = nn.Linear(width, chunk_size * action_dim)
-        nn.init.zeros_(self.out.weight)
-        nn.init.zeros_(self.out.bias)
-
-    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        c = F.silu(cond + self.time_mlp(timestep_embedding(t, self.time_dim)))
-        h = self.inp(x.flatten(1))
-        for blk in self.blocks:
-            h = blk(h, c)
-        return self.out(self.norm(h)).view(x.shape[0], self.h, self.d)
-
-
-def random_shift(x: torch.Tensor, pad: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """DrQ random shift: replicate-pad by ``pad`` px and crop back at a random integer offset per image."""
-    if pad <= 0:
-        return x
-    b, c, h, w = x.shape
-    xp = F.pad(x, (pad, pad, pad, pad), mode="replicate")
-    ox = torch.randint(0, 2 * pad + 1, (b,), generator=generator, device=x.device)
-    oy = torch.randint(0, 2 * pad + 1, (b,), generator=generator, device=x.device)
-    rows = (oy[:, None] + torch.arange(h, device=x.device)[None])  # (B, h)
-    cols = (ox[:, None] + torch.arange(w, device=x.device)[None])  # (B, w)
-    idx_r = rows[:, None, :, None].expand(b, c, h, w + 2 * pad)
-    xp = torch.gather(xp, 2, idx_r)
-    idx_c = cols[:, None, None, :].expand(b, c, h, w)
-    return torch.gather(xp, 3, idx_c)
-
 
 # ----------------------------------------------------------------------------- the policy
 
@@ -349,19 +207,45 @@ class FlowVLAPolicy(nn.Module):
         cond = self.encode(obs.images, obs.proprio, obs.task)
         return lambda x, t: self.velocity(x, t, cond)
 
-    def sample(self, obs: Obs, generator: torch.Generator | None = None) -> PolicySample:
-        """Sample an action chunk with ``self.sampler``.
+    supports_rtc = True
+    rtc_beta = 5.0  # RTC guidance-weight cap (``policies.rtc``); set by the composition root (serve.yaml)
+
+    def sample(self, obs: Obs, generator: torch.Generator | None = None, prefix: torch.Tensor | None = None,
+               delay: int = 0) -> PolicySample:
+        """Sample an action chunk with ``self.sampler``, or with real-time chunking when ``prefix`` is given.
+
+        Args:
+            obs: batch ``B``. generator: all noise is drawn from it.
+            prefix: committed actions ``float32 (P, D_a)`` in controller units (``P = 0`` allowed):
+                the chunk is sampled by ``policies.rtc.rtc_sample`` (Euler, the sampler's
+                ``num_steps`` and, for ``EulerODESampler``, its ``noise_scale``; guidance cap
+                :attr:`rtc_beta`) so that it continues the prefix; ``None``: plain sampling.
+            delay: ``d``, prefix actions that will have run before the chunk arrives (frozen).
 
         Returns ``PolicySample`` with ``actions`` ``float32 (B, H, D_a)`` unnormalised and clipped to the
-        action space, ``log_prob`` ``(B,)`` (0 for the ODE sampler) and, for the SDE sampler,
+        action space, ``log_prob`` ``(B,)`` (0 for the ODE sampler and for RTC) and, for the SDE sampler,
         ``extras["chain"]`` ``(B, K+1, H, D_a)`` (normalised, pre-clip) and ``extras["noise_level"]`` ``(B,)``.
         """
+        if prefix is not None:
+            return self._sample_rtc(obs, generator, prefix, int(delay))
         with torch.no_grad():
             vf = self._velocity_fn(obs)
             out = self.sampler.sample(vf, (obs.batch_size, self.chunk_size, self.action_dim), generator, self.device)
             actions = clip_to_space(self.normalizer.unnormalize("actions", out.x0), self.action_space).float()
         extras = sample_extras(self.sampler, out, obs.batch_size, self.device)
         return PolicySample(actions=actions, log_prob=out.log_prob.float(), extras=extras)
+
+    def _sample_rtc(self, obs: Obs, generator, prefix: torch.Tensor, delay: int) -> PolicySample:
+        with torch.no_grad():  # encode the observation once, without a graph through the encoder
+            vf = self._velocity_fn(obs)
+        y = self.normalizer.normalize("actions", prefix.to(self.device).float())
+        # the sampling temperature of the policy's own sampler (e.g. noise_scale=0: from the prior
+        # mean, as the VLA is evaluated); RTC then only adds the prefix guidance
+        scale = self.sampler.noise_scale if isinstance(self.sampler, EulerODESampler) else 1.0
+        noise = draw_noise((obs.batch_size, self.chunk_size, self.action_dim), generator, self.device, torch.float32) * scale
+        x = rtc_sample(vf, noise, y, delay, num_steps=int(self.sampler.num_steps), beta=float(self.rtc_beta))
+        actions = clip_to_space(self.normalizer.unnormalize("actions", x), self.action_space).float()
+        return PolicySample(actions=actions, log_prob=torch.zeros(obs.batch_size, device=self.device))
 
     def log_prob(self, obs: Obs, sample: PolicySample, per_step: bool = False) -> torch.Tensor:
         """Differentiable ``float32 (B,)`` log-density of ``sample.extras["chain"]`` under the current
@@ -421,11 +305,3 @@ def flow_pair(x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor) -> tuple[tor
     """
     return (1 - t)[:, None, None] * x0 + t[:, None, None] * eps, eps - x0
 
-
-def build_sampler(kind: str = "ode", num_steps: int = 10, noise_level: float = 0.5):
-    """``"ode"`` -> :class:`EulerODESampler`; ``"sde"`` -> :class:`SDESampler` (Hydra-friendly factory)."""
-    if kind == "ode":
-        return EulerODESampler(num_steps)
-    if kind == "sde":
-        return SDESampler(num_steps, noise_level)
-    raise ValueError(f"sampler kind must be 'ode' or 'sde', got {kind!r}")

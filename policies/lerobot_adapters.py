@@ -178,7 +178,7 @@ class LeRobotFlowPolicy(nn.Module):
     ``sampler`` is any of ``policies.samplers`` (each declares ``stochastic``).
     """
 
-    supports_rtc = False
+    supports_rtc = False  # no real-time chunking (wmrl.kernel.interfaces.Policy)
 
     def __init__(self, lerobot_policy: nn.Module, tokenizer: Any, camera_map: dict[str, str],
                  state_dim: int = 9, action_dim: int = 7, chunk_size: int | None = None, prompt: str = "plain",

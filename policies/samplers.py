@@ -114,7 +114,9 @@ def time_grid(num_steps: int, device=None) -> torch.Tensor:
     return torch.linspace(1.0, 0.0, num_steps + 1, device=device, dtype=torch.float32)
 
 
-def _noise(shape, generator: torch.Generator | None, device, dtype) -> torch.Tensor:
+def draw_noise(shape, generator: torch.Generator | None, device, dtype) -> torch.Tensor:
+    """``N(0, I)`` of ``shape`` drawn on the generator's device (so a seeded CPU generator gives the
+    same noise whatever ``device``), then moved to ``device``."""
     if generator is not None:
         return torch.randn(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
     return torch.randn(shape, device=device, dtype=dtype)
@@ -161,7 +163,7 @@ class EulerODESampler:
     def sample(self, velocity_fn: VelocityFn, shape: tuple[int, ...], generator: torch.Generator | None = None,
                device=None, noise: torch.Tensor | None = None) -> SamplerOutput:
         """Integrate from ``noise`` (drawn from ``generator`` if not given) of ``shape = (B, H, D_a)``."""
-        x = _noise(shape, generator, device, torch.float32) if noise is None else noise
+        x = draw_noise(shape, generator, device, torch.float32) if noise is None else noise
         if self.noise_scale != 1.0:
             x = x * self.noise_scale
         ts = time_grid(self.num_steps, device=x.device)
@@ -257,7 +259,7 @@ class SDESampler:
                device=None, noise: torch.Tensor | None = None) -> SamplerOutput:
         """Sample a chain from ``noise`` (or fresh noise of ``shape``), all noise from ``generator``."""
         if noise is None:
-            x = _noise(shape, generator, device, torch.float32)
+            x = draw_noise(shape, generator, device, torch.float32)
             if self.init_scale != 1.0:
                 x = x * self.init_scale
         else:
@@ -271,7 +273,7 @@ class SDESampler:
                 v = velocity_fn(x, ts[k].expand(x.shape[0]))
                 if k < m:
                     mean, std = self.transition(x, v, k, ts, sigmas)
-                    x = mean + std * _noise(x.shape, generator, x.device, x.dtype)
+                    x = mean + std * draw_noise(x.shape, generator, x.device, x.dtype)
                 else:
                     x = x + (ts[k + 1] - ts[k]) * v
                 chain.append(x)

@@ -80,7 +80,7 @@ class LatentNoisePolicy(nn.Module):
     prefix guidance.
     """
 
-    supports_rtc = False
+    supports_rtc = False  # no real-time chunking (wmrl.kernel.interfaces.Policy)
 
     def __init__(self, base: Any, hidden: int = 256, bound: float = 1.5, sampler: LatentNoiseSampler | None = None):
         super().__init__()

@@ -9,8 +9,9 @@ Pieces (each module's docstring has the details):
   messages (the real-time-chunking prefix included) are rejected with an ``Error`` reply while the
   link stays up. No pickle anywhere.
 * ``queue``: actions keyed by control step; latency-aware merge (stale actions skipped).
-* ``rtc``: real-time chunking for flow policies (Black et al. 2025): the new chunk is guided to
-  continue the committed prefix.
+* real-time chunking is the policy's (``policies.rtc``, Black et al. 2025): the client sends the
+  committed actions (``queue.ActionQueue.committed``) and the delay in steps, the server passes
+  them to ``policy.sample(..., prefix=, delay=)`` when ``policy.supports_rtc``; no flow math here.
 * ``safety``: command clipping (range, rate, workspace box) and the server watchdog.
 * ``client``: :class:`RobotClient`, the fixed-rate control loop (requests early, never blocks the
   tick on I/O, holds when dry, stops on e-stop or watchdog, records the episode); reopens the link
@@ -27,7 +28,7 @@ Entry points (composition in ``wmrl/run``): ``wmrl serve``, ``wmrl robot``, ``wm
 ``wmrl refine``. This package imports only ``wmrl`` core modules (types, interfaces), grpc,
 protobuf and cyclonedds.
 
-Compared with LeRobot 0.6.1 async inference (measured failings in DESIGN.md), by construction:
+Compared with LeRobot 0.6.1 async inference, by construction:
 no observation is dropped as "similar" (every request is answered), the server is warmed up
 before the first request, observations are sent from a sender thread (not in the control tick),
 only actions that are really stale are skipped (not always the first of a chunk), and protobuf

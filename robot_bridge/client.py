@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,9 +39,14 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import numpy as np
 
 from robot_bridge import messages as M
+from robot_bridge.client_link import ServerLink, _Link
+from robot_bridge.episode_log import EpisodeResult, StepLog, episode_ran, failure_source, percentile_or_none
 from robot_bridge.queue import ActionQueue
+from robot_bridge.reconnect import ReconnectPolicy, with_retry
 from robot_bridge.safety import SafetyFilter, SafetyLimits, Watchdog
-from wmrl.kernel.types import Episode
+
+__all__ = ["ClientConfig", "EpisodeResult", "ReconnectPolicy", "RobotClient", "RobotInterface", "episode_ran",
+           "with_retry"]
 
 log = logging.getLogger("robot_bridge.client")
 
@@ -118,119 +122,7 @@ class ClientConfig:
     stop_on_success: bool = True
 
 
-@dataclass
-class ReconnectPolicy:
-    """When and how often :meth:`RobotClient.connect_with_retry` tries to (re)open the link to the
-    policy server: at start, after the server went away, or when it answered ``[busy]``.
-
-    Attributes:
-        attempts: tries after the first failed one (0: give up at once).
-        backoff_s: wait before the first retry (s); each further wait doubles ...
-        backoff_max_s: ... up to this (s).
-        give_up_after_s: no retry starts later than this after the first failure (s); ``None``:
-            only ``attempts`` bounds the retries.
-
-    Raises:
-        ValueError: a negative ``attempts`` or wait, or ``backoff_max_s < backoff_s``.
-    """
-
-    attempts: int = 8
-    backoff_s: float = 0.5
-    backoff_max_s: float = 5.0
-    give_up_after_s: float | None = 60.0
-
-    def __post_init__(self):
-        if self.attempts < 0 or self.backoff_s < 0 or self.backoff_max_s < self.backoff_s:
-            raise ValueError(f"ReconnectPolicy needs attempts >= 0 and 0 <= backoff_s <= backoff_max_s, got "
-                             f"attempts={self.attempts}, backoff_s={self.backoff_s}, backoff_max_s={self.backoff_max_s}")
-        if self.give_up_after_s is not None and self.give_up_after_s < 0:
-            raise ValueError(f"give_up_after_s must be >= 0 s or None, got {self.give_up_after_s}")
-
-    def wait_s(self, retry: int) -> float:
-        """Wait before retry number ``retry`` (0-based): ``min(backoff_s * 2**retry, backoff_max_s)``."""
-        return min(self.backoff_s * 2.0 ** min(retry, 60), self.backoff_max_s)
-
-
-def with_retry(fn: Callable[[], Any], policy: ReconnectPolicy | None = None, stop: threading.Event | None = None):
-    """``fn()`` retried per ``policy`` (default: no retry) while ``stop`` is not set, after a
-    ``ConnectionError`` or ``TimeoutError``; each failed try is logged in one line (what failed,
-    when the next try is). Returns what ``fn`` returned.
-
-    Raises:
-        ConnectionError: the last failure (with the number of tries when there were several),
-            once the policy gives up or ``stop`` was set.
-    """
-    pol = policy or ReconnectPolicy(attempts=0)
-    t_first = None
-    retry = 0
-    while True:
-        try:
-            return fn()
-        except (ConnectionError, TimeoutError) as e:
-            err = str(e)
-        now = time.monotonic()
-        t_first = now if t_first is None else t_first
-        wait = pol.wait_s(retry)
-        late = pol.give_up_after_s is not None and now + wait - t_first > pol.give_up_after_s
-        if retry >= pol.attempts or late or (stop is not None and stop.is_set()):
-            tries = f"; gave up after {retry + 1} attempts in {now - t_first:.1f} s" if retry else ""
-            raise ConnectionError(err + tries)
-        retry += 1
-        log.warning("%s; retry %d of %d in %.1f s", err, retry, pol.attempts, wait)
-        if stop is not None:
-            stop.wait(wait)
-        else:
-            time.sleep(wait)
-
-
-def episode_ran(label: str) -> bool:
-    """Whether an episode with this failure label ran to completion: a success (``""``), a task
-    failure (``timeout``, ``critic``) or an operator's verdict (``operator:<label>``); not one cut
-    short by the watchdog, an e-stop or an interruption (``operator:interrupted``)."""
-    if label in ("", "timeout", "critic"):
-        return True
-    return label.startswith("operator:") and label != "operator:interrupted"
-
-
-class _Link:
-    """One connection to the policy server: its transport, outbox and I/O threads."""
-
-    def __init__(self, transport):
-        self.transport = transport
-        self.outbox: queue.Queue = queue.Queue()
-        self.closing = threading.Event()
-        self.down = threading.Event()
-        self.ready = threading.Event()
-        self.heard = threading.Event()  # any message (or a rejected one) came from the server
-        self.ready_msg: M.pb.Ready | None = None
-        self.ended = ""  # the server's reason when it ended the session ([busy], [timeout])
-        self.end_reason = ""  # the transport's, when it reported the peer gone
-        self.threads: list[threading.Thread] = []
-
-
-@dataclass
-class EpisodeResult:
-    """Outcome of :meth:`RobotClient.run_episode`.
-
-    ``episode`` is the record for the EpisodeStore (``extras``: ``t_cmd`` s since start,
-    ``starved`` 0/1, ``clipped`` 0/1, ``cmd_latency_s`` obs-to-command latency of the action's
-    chunk (NaN on hold), ``chunk_id``); ``failure_label``: ``""`` on success, else
-    ``timeout`` | ``watchdog`` | ``estop`` | ``operator:<label>`` | ``critic``.
-    """
-
-    episode: Episode
-    success: bool
-    failure_label: str
-    steps: int
-    starved_after_first: int
-    time_to_first_action_s: float
-    latencies_s: list[float]
-    round_trips_s: list[float]
-    stopped_at_s: float | None
-    stats: dict = field(default_factory=dict)
-
-
-class RobotClient:
+class RobotClient(ServerLink):
     """Runs episodes of ``robot`` with chunks from a policy server over ``transport``.
 
     Args:
@@ -278,180 +170,6 @@ class RobotClient:
         self.errors: list[tuple[str, str]] = []  # (code, message) received from the server
         self.rejected: list[str] = []  # messages from the server we rejected
 
-    # ------------------------------------------------------------------ connection
-    @property
-    def link_up(self) -> bool:
-        """A link is open, ``Ready`` was received, neither side ended it and the server has not
-        been silent for longer than the watchdog allows."""
-        return (self._link is not None and self.ready is not None and not self._link.down.is_set()
-                and not self.watchdog.expired())
-
-    def connect(self) -> M.pb.Ready:
-        """Open a link (the given transport the first time, else one from ``transport_factory``),
-        send ``Hello`` and wait for ``Ready`` (after the server's warm-up). A link still open is
-        closed first.
-
-        Raises:
-            TimeoutError: no ``Ready`` within ``ready_timeout_s``.
-            ConnectionError: the server cannot be reached, rejected the hello (e.g. action-dim
-                mismatch), is busy, or the link went down before ``Ready``.
-        """
-        self.drop_link()
-        transport, self._unused = self._unused, None
-        if transport is None:
-            if self.transport_factory is None:
-                raise ConnectionError("the link to the policy server is closed and this RobotClient has no "
-                                      "transport_factory to open another")
-            transport = self.transport_factory()
-        self.transport = transport
-        self._link = link = _Link(transport)
-        link.threads = [threading.Thread(target=self._recv_loop, args=(link,), daemon=True, name="client-recv"),
-                        threading.Thread(target=self._send_loop, args=(link,), daemon=True, name="client-send")]
-        for t in link.threads:
-            t.start()
-        try:
-            self.ready = self._handshake(link)
-        except BaseException:
-            self.drop_link()
-            raise
-        self.watchdog.kick()
-        return self.ready
-
-    def _handshake(self, link: _Link) -> M.pb.Ready:
-        r = self.robot
-        h, w = r.image_size
-        n_err = len(self.errors)
-        hello = M.Envelope(hello=M.pb.Hello(
-            robot=type(r).__name__, action_dim=r.action_dim, state_dim=r.state_dim, cameras=list(r.cameras),
-            control_hz=self.cfg.control_hz, image_height=h, image_width=w, task=r.task))
-        link.outbox.put(hello)
-        t0 = t_hello = time.monotonic()
-        while not link.ready.wait(0.05):
-            if not link.heard.is_set() and time.monotonic() - t_hello > self.cfg.hello_retry_s:
-                link.outbox.put(hello)
-                t_hello = time.monotonic()
-            invalid = [m for c, m in self.errors[n_err:] if c == "invalid"]
-            if invalid:
-                raise ConnectionError(f"server rejected the robot: {invalid[0]}")
-            if link.down.is_set():
-                raise ConnectionError(f"policy server ended the session: {link.ended}" if link.ended else
-                                      f"link to the policy server went down before Ready "
-                                      f"({link.end_reason or 'no reason given'})")
-            if time.monotonic() - t0 > self.cfg.ready_timeout_s:
-                raise TimeoutError(f"no Ready from the policy server within {self.cfg.ready_timeout_s} s")
-        return link.ready_msg
-
-    def connect_with_retry(self, policy: ReconnectPolicy | None = None,
-                           stop: threading.Event | None = None) -> M.pb.Ready:
-        """:meth:`connect`, retried per ``policy`` (default: no retry) while ``stop`` is not set
-        (:func:`with_retry`).
-
-        Raises:
-            ConnectionError: the last failure, once the policy gives up (or ``stop`` was set).
-        """
-        return with_retry(self.connect, policy, stop)
-
-    def drop_link(self) -> None:
-        """Close the current link (threads and transport); the next :meth:`connect` opens another."""
-        link, self._link = self._link, None
-        self.ready = None
-        if link is None:
-            return
-        link.closing.set()
-        link.outbox.put(None)
-        for t in link.threads:
-            t.join(timeout=1.0)
-        try:
-            link.transport.close()
-        except Exception:  # pragma: no cover
-            pass
-
-    def close(self) -> None:
-        """Close the link (and the given transport if no link was opened with it)."""
-        self.drop_link()
-        if self._unused is not None:
-            self._unused.close()
-            self._unused = None
-
-    def _post(self, env: M.Envelope) -> None:
-        """Hand ``env`` to the sender thread of the current link (dropped when there is none)."""
-        link = self._link
-        if link is not None:
-            link.outbox.put(env)
-
-    def _send_loop(self, link: _Link) -> None:
-        while not link.closing.is_set():
-            env = link.outbox.get()
-            if env is None:
-                return
-            try:
-                link.transport.send(env)
-            except M.MessageError as e:
-                log.error("not sent: %s", e)
-            except Exception as e:  # ConnectionError, OSError, or a transport torn down under the sender
-                log.warning("send failed, link down: %s", e)
-                link.down.set()
-                return
-
-    def _recv_loop(self, link: _Link) -> None:
-        while not link.closing.is_set():
-            try:
-                env = link.transport.recv(timeout=0.05)
-            except M.MessageError as e:
-                self.rejected.append(str(e))
-                link.heard.set()
-                self.watchdog.kick()  # the server is alive, it sent something
-                link.outbox.put(M.make_error(e))
-                with self._lock:
-                    if self._outstanding and e.request_id == self._outstanding[0]:
-                        self._outstanding = None
-                continue
-            except (ConnectionError, OSError) as e:
-                link.end_reason = str(e)
-                link.down.set()
-                return
-            if env is None:
-                continue
-            link.heard.set()
-            self.watchdog.kick()
-            self._on_message(link, env)
-
-    def _on_message(self, link: _Link, env: M.Envelope) -> None:
-        k = M.kind(env)
-        if k == "chunk":
-            self._on_chunk(env.chunk)
-        elif k == "ready":
-            link.ready_msg = env.ready
-            link.ready.set()
-        elif k == "estop":
-            self.estop(f"server: {env.estop.reason}")
-        elif k == "error":
-            self.errors.append((env.error.code, env.error.message))
-            if env.error.code in ("busy", "timeout"):  # the server ended this session
-                link.ended = f"[{env.error.code}] {env.error.message}"
-                link.down.set()
-            with self._lock:
-                if self._outstanding and env.error.request_id == self._outstanding[0]:
-                    self._outstanding = None
-
-    def _on_chunk(self, c: M.pb.ActionChunk) -> None:
-        t_arrive = M.now_ns()
-        if c.episode != self._episode:
-            return
-        a = M.chunk_array(c)
-        with self._lock:
-            res = self.queue.insert(a, int(c.start_step), self._next_step)
-            cid = res.chunk_id
-            if self._outstanding and self._outstanding[0] == c.request_id:
-                self._outstanding = None
-        rt = (t_arrive - c.obs_stamp_ns) * 1e-9
-        lat = rt - c.inference_s
-        self._round_trips.append(rt)
-        self._latencies.append(lat)
-        self._chunk_latency[cid] = lat
-        self._latency_est = 0.7 * self._latency_est + 0.3 * rt if self._latencies[:-1] else rt
-        log.debug("chunk %d: start %d skipped %d latency %.2f ms", cid, c.start_step, res.skipped, lat * 1e3)
-
     # ------------------------------------------------------------------ operator / safety
     def estop(self, reason: str = "operator") -> None:
         """Emergency stop: the robot is stopped now (from any thread); the episode ends failed."""
@@ -475,6 +193,30 @@ class RobotClient:
             raise RuntimeError("call connect() before run_episode() (and again after drop_link())")
         r = self.robot
         max_steps = max_steps or self.cfg.max_steps
+        self._begin_episode(episode)
+        run = _Run(t0=time.monotonic(), log=StepLog(r.cameras),
+                   hold_after=self.cfg.silence_hold_s if self.cfg.silence_hold_s is not None else self.cfg.watchdog_s / 2)
+        self.watchdog.kick()
+        try:
+            tick = run.t0
+            for step in range(max_steps):
+                tick = self._wait_tick(tick, run.stats)
+                if self._interrupted(run) or self._control_step(episode, step, run):
+                    break
+            else:
+                run.success = bool(r.success())
+                run.failure = "" if run.success else "timeout"
+        except KeyboardInterrupt:
+            run.failure = "operator:interrupted"
+            run.stats["interrupted"] = True
+        finally:
+            if run.failure in ("estop", "watchdog") or run.failure.startswith("operator"):
+                r.stop()
+                if run.stopped_at is None:
+                    run.stopped_at = time.monotonic() - run.t0
+        return self._finish(episode, run)
+
+    def _begin_episode(self, episode: int) -> None:
         self._episode = episode
         self._next_step = 0
         self.queue.clear()
@@ -482,151 +224,130 @@ class RobotClient:
         self._outstanding = None
         self._operator_label = ""
         self._latencies, self._round_trips, self._chunk_latency = [], [], {}
-        rec_img = {c: [] for c in r.cameras}
-        rec_prop, rec_act, rec_t, rec_starve, rec_clip, rec_lat, rec_cid = [], [], [], [], [], [], []
-        stats = {"overruns": 0, "requests": 0, "clip_flags": {}, "silent_holds": 0}
-        hold_after = self.cfg.silence_hold_s if self.cfg.silence_hold_s is not None else self.cfg.watchdog_s / 2
-        first_action_t = None
-        starved_after = 0
-        last_cmd = None
-        failure = ""
-        success = False
-        stopped_at = None
-        t0 = time.monotonic()
-        self.watchdog.kick()
-        step = 0
-        try:
-            tick = t0
-            for step in range(max_steps):
-                now = time.monotonic()
-                if now < tick:
-                    time.sleep(tick - now)
-                elif now - tick > self.dt:  # a tick ran long (slow simulator): re-anchor, do not race
-                    stats["overruns"] += 1
-                    tick = now
-                tick += self.dt
-                if self._estop.is_set():
-                    failure = "estop"
-                    break
-                if self.watchdog.expired():
-                    r.stop()
-                    stopped_at = time.monotonic() - t0
-                    failure = "watchdog"
-                    break
-                if self._operator_label:
-                    failure = f"operator:{self._operator_label}"
-                    break
-                proprio, images = r.observe()
-                with self._lock:
-                    qsize = self.queue.size(step)
-                    out = self._outstanding
-                    need = qsize <= self._threshold() and (
-                        out is None or time.monotonic() - out[1] > self.cfg.request_timeout_s)
-                    if need:
-                        self._request_id += 1
-                        self._outstanding = (self._request_id, time.monotonic())
-                        prefix = (self.queue.committed(step) if (self.cfg.rtc_prefix and self.ready.supports_prefix)
-                                  else None)
-                        rid = self._request_id
-                if need:
-                    delay = min(len(prefix) if prefix is not None else 0,
-                                math.ceil(self._latency_est / self.dt) + 1)
-                    env = M.make_observation(episode=episode, step=step, proprio=proprio, images=images, task=r.task,
-                                             request=True, request_id=rid, prefix_actions=prefix)
-                    env.observation.delay_steps = delay
-                    self._post(env)
-                    stats["requests"] += 1
-                with self._lock:
-                    a, cid = self.queue.pop(step)
-                    self._next_step = step + 1  # the first step a chunk arriving now can still fill
-                if self.watchdog.silence_s() > hold_after:
-                    a, cid = None, -1  # the server went quiet: hold, the watchdog will stop us
-                    stats["silent_holds"] += 1
-                starved = a is None
-                if starved:
-                    a = r.hold_action(last_cmd)
-                    if first_action_t is not None:
-                        starved_after += 1
-                elif first_action_t is None:
-                    first_action_t = time.monotonic() - t0
-                cmd, flags = self.safety.clip(a, proprio, hold=r.hold_action(last_cmd))
-                for f in flags:
-                    stats["clip_flags"][f] = stats["clip_flags"].get(f, 0) + 1
-                if self._estop.is_set():
-                    failure = "estop"
-                    break
-                r.apply(cmd)
-                last_cmd = cmd
-                for c in r.cameras:
-                    rec_img[c].append(images[c])
-                rec_prop.append(proprio)
-                rec_act.append(cmd)
-                rec_t.append(time.monotonic() - t0)
-                rec_starve.append(float(starved))
-                rec_clip.append(float(bool(flags)))
-                rec_lat.append(self._chunk_latency.get(cid, float("nan")) if not starved else float("nan"))
-                rec_cid.append(cid)
-                if self.cfg.stop_on_success and r.success():
-                    success = True
-                    break
-                if getattr(r, "done", None) is not None and r.done():
-                    success = bool(r.success())
-                    failure = "" if success else "timeout"
-                    break
-            else:
-                success = bool(r.success())
-                failure = "" if success else "timeout"
-        except KeyboardInterrupt:
-            failure = "operator:interrupted"
-            stats["interrupted"] = True
-        finally:
-            if failure in ("estop", "watchdog") or failure.startswith("operator"):
-                r.stop()
-                if stopped_at is None:
-                    stopped_at = time.monotonic() - t0
-        if self.critic is not None and not success and failure == "timeout" and rec_prop:
-            p = float(self.critic(rec_prop[-1], {c: rec_img[c][-1] for c in r.cameras}))
+
+    def _wait_tick(self, tick: float, stats: dict) -> float:
+        """Sleep until ``tick`` (absolute schedule); a tick that ran long by more than a period
+        (slow simulator) re-anchors the schedule instead of racing. Returns the next tick."""
+        now = time.monotonic()
+        if now < tick:
+            time.sleep(tick - now)
+        elif now - tick > self.dt:
+            stats["overruns"] += 1
+            tick = now
+        return tick + self.dt
+
+    def _interrupted(self, run: _Run) -> bool:
+        """E-stop, watchdog (the robot is stopped now) or an operator's flag ends the episode."""
+        if self._estop.is_set():
+            run.failure = "estop"
+        elif self.watchdog.expired():
+            self.robot.stop()
+            run.stopped_at = time.monotonic() - run.t0
+            run.failure = "watchdog"
+        elif self._operator_label:
+            run.failure = f"operator:{self._operator_label}"
+        return bool(run.failure)
+
+    def _control_step(self, episode: int, step: int, run: _Run) -> bool:
+        """Observe, request a chunk when due, apply the queued (or hold) command through the safety
+        filter and record the step. Returns whether the episode ended."""
+        r = self.robot
+        proprio, images = r.observe()
+        self._request_if_due(episode, step, proprio, images, run.stats)
+        with self._lock:
+            a, cid = self.queue.pop(step)
+            self._next_step = step + 1  # the first step a chunk arriving now can still fill
+        if self.watchdog.silence_s() > run.hold_after:
+            a, cid = None, -1  # the server went quiet: hold, the watchdog will stop us
+            run.stats["silent_holds"] += 1
+        starved = a is None
+        if starved:
+            a = r.hold_action(run.last_cmd)
+            if run.first_action_t is not None:
+                run.starved_after += 1
+        elif run.first_action_t is None:
+            run.first_action_t = time.monotonic() - run.t0
+        cmd, flags = self.safety.clip(a, proprio, hold=r.hold_action(run.last_cmd))
+        for f in flags:
+            run.stats["clip_flags"][f] = run.stats["clip_flags"].get(f, 0) + 1
+        if self._estop.is_set():
+            run.failure = "estop"
+            return True
+        r.apply(cmd)
+        run.last_cmd = cmd
+        run.log.append(images, proprio, cmd, time.monotonic() - run.t0, starved, bool(flags),
+                       self._chunk_latency.get(cid, float("nan")) if not starved else float("nan"), cid)
+        if self.cfg.stop_on_success and r.success():
+            run.success = True
+            return True
+        if getattr(r, "done", None) is not None and r.done():
+            run.success = bool(r.success())
+            run.failure = "" if run.success else "timeout"
+            return True
+        return False
+
+    def _request_if_due(self, episode: int, step: int, proprio, images, stats: dict) -> None:
+        """Hand a chunk request (with the committed actions as the RTC prefix and the estimated
+        delay in steps) to the sender thread when the queued future is at most the threshold and
+        no request is in flight (or the last one timed out)."""
+        with self._lock:
+            qsize = self.queue.size(step)
+            out = self._outstanding
+            need = qsize <= self._threshold() and (
+                out is None or time.monotonic() - out[1] > self.cfg.request_timeout_s)
+            if need:
+                self._request_id += 1
+                self._outstanding = (self._request_id, time.monotonic())
+                prefix = (self.queue.committed(step) if (self.cfg.rtc_prefix and self.ready.supports_prefix)
+                          else None)
+                rid = self._request_id
+        if not need:
+            return
+        delay = min(len(prefix) if prefix is not None else 0, math.ceil(self._latency_est / self.dt) + 1)
+        env = M.make_observation(episode=episode, step=step, proprio=proprio, images=images, task=self.robot.task,
+                                 request=True, request_id=rid, prefix_actions=prefix)
+        env.observation.delay_steps = delay
+        self._post(env)
+        stats["requests"] += 1
+
+    def _finish(self, episode: int, run: _Run) -> EpisodeResult:
+        """The outcome (the critic's verdict on a timeout), ``EpisodeEnd`` to the server, the record."""
+        r = self.robot
+        success, failure, stats, log_ = run.success, run.failure, run.stats, run.log
+        if self.critic is not None and not success and failure == "timeout" and log_.proprio:
+            p = float(self.critic(log_.proprio[-1], {c: log_.images[c][-1] for c in r.cameras}))
             stats["critic_success_prob"] = p
             failure = "critic" if p < 0.5 else "timeout"
         if not success and not failure:
             failure = "unknown"
         self._post(M.Envelope(episode_end=M.pb.EpisodeEnd(episode=episode, success=success, failure_label=failure)))
-        T = len(rec_act)
-        D_s, D_a = r.state_dim, r.action_dim
-        h, w = r.image_size
-        ep = Episode(
-            images={c: (np.stack(rec_img[c]).astype(np.uint8) if T else np.zeros((0, 3, h, w), np.uint8))
-                    for c in r.cameras},
-            proprio=np.stack(rec_prop).astype(np.float32) if T else np.zeros((0, D_s), np.float32),
-            actions=np.stack(rec_act).astype(np.float32) if T else np.zeros((0, D_a), np.float32),
-            rewards=np.zeros(T, np.float32) if not success else np.eye(1, T, T - 1, dtype=np.float32)[0],
-            success=success, instruction=r.task, task_name=getattr(r, "task_name", ""),
-            extras={"t_cmd": np.asarray(rec_t, np.float64), "starved": np.asarray(rec_starve, np.float32),
-                    "clipped": np.asarray(rec_clip, np.float32), "cmd_latency_s": np.asarray(rec_lat, np.float64),
-                    "chunk_id": np.asarray(rec_cid, np.int64)},
-            info={"source": "robot_bridge", "episode": episode, "t0_monotonic_s": t0, "failure_label": failure,
-                  "failure_source": _failure_source(failure), "control_hz": self.cfg.control_hz,
-                  "merge": self.cfg.merge, "estop_reason": self._estop_reason,
-                  "time_to_first_action_s": first_action_t, "stopped_at_s": stopped_at,
-                  "starved_after_first": starved_after, "latency_p50_s": _q(self._latencies, 50),
-                  "latency_p99_s": _q(self._latencies, 99), "round_trip_p50_s": _q(self._round_trips, 50),
-                  "overruns": stats["overruns"]})
-        return EpisodeResult(episode=ep, success=success, failure_label=failure, steps=T,
-                             starved_after_first=starved_after,
-                             time_to_first_action_s=first_action_t if first_action_t is not None else float("nan"),
+        ep = log_.episode(r, success, info={
+            "source": "robot_bridge", "episode": episode, "t0_monotonic_s": run.t0, "failure_label": failure,
+            "failure_source": failure_source(failure), "control_hz": self.cfg.control_hz,
+            "merge": self.cfg.merge, "estop_reason": self._estop_reason,
+            "time_to_first_action_s": run.first_action_t, "stopped_at_s": run.stopped_at,
+            "starved_after_first": run.starved_after, "latency_p50_s": percentile_or_none(self._latencies, 50),
+            "latency_p99_s": percentile_or_none(self._latencies, 99),
+            "round_trip_p50_s": percentile_or_none(self._round_trips, 50), "overruns": stats["overruns"]})
+        first = run.first_action_t
+        return EpisodeResult(episode=ep, success=success, failure_label=failure, steps=len(log_),
+                             starved_after_first=run.starved_after,
+                             time_to_first_action_s=first if first is not None else float("nan"),
                              latencies_s=list(self._latencies), round_trips_s=list(self._round_trips),
-                             stopped_at_s=stopped_at, stats=stats)
+                             stopped_at_s=run.stopped_at, stats=stats)
 
 
-def _q(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(xs, q)) if xs else None
+@dataclass
+class _Run:
+    """State of the episode :meth:`RobotClient.run_episode` is running."""
 
-
-def _failure_source(label: str) -> str:
-    if not label:
-        return ""
-    if label == "timeout":
-        return "success_predicate"
-    if label.startswith("operator"):
-        return "operator"
-    return label
+    t0: float
+    log: StepLog
+    hold_after: float
+    stats: dict = field(default_factory=lambda: {"overruns": 0, "requests": 0, "clip_flags": {}, "silent_holds": 0})
+    first_action_t: float | None = None
+    starved_after: int = 0
+    last_cmd: np.ndarray | None = None
+    failure: str = ""
+    success: bool = False
+    stopped_at: float | None = None

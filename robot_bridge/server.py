@@ -1,6 +1,6 @@
 """Policy server: answers every chunk request of a robot client with an action chunk.
 
-Differences from LeRobot 0.6.1 async inference (measured failings listed in DESIGN.md), by design:
+Differences from LeRobot 0.6.1 async inference, by design:
 every request is answered (no observation is dropped as "too similar"); the policy is warmed up
 (one dummy inference of the robot's shapes) before ``Ready`` is sent, so the first real request
 is not cold; inference runs in a worker thread so the connection keeps receiving, heart-beating
@@ -21,17 +21,15 @@ that sends no ``Hello`` within ``hello_timeout_s``, or nothing but heartbeats fo
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from robot_bridge import messages as M
-from robot_bridge.rtc import rtc_sample
+from robot_bridge.session import Session, SessionLimits
 from wmrl.kernel.types import Obs
 
 log = logging.getLogger("robot_bridge.server")
@@ -46,49 +44,15 @@ def obs_from_message(o: M.pb.Observation) -> Obs:
                proprio=torch.from_numpy(proprio)[None], task=[o.task])
 
 
-@dataclass(frozen=True)
-class SessionLimits:
-    """How :meth:`PolicyServer.serve_endpoint` shares one policy among robot connections.
-
-    Attributes:
-        max_sessions: robots served at once (>= 1).
-        on_busy: what a connection beyond ``max_sessions`` gets: ``"reject"``, an ``Error``
-            ``[busy]`` naming the limit, then the connection is closed; ``"queue"``, it waits
-            until a session ends (its ``Hello`` is answered then).
-        hello_timeout_s: a connection that has sent no ``Hello`` within this many seconds of
-            its session's start is ended with ``[timeout]`` (``None``: no limit).
-        idle_timeout_s: a session that received nothing but heartbeats for this many seconds
-            is ended with ``[timeout]`` (``None``: no limit).
-
-    Raises:
-        ValueError: ``max_sessions < 1``, an unknown ``on_busy``, or a timeout ``<= 0``.
-    """
-
-    max_sessions: int = 4
-    on_busy: str = "reject"
-    hello_timeout_s: float | None = 5.0
-    idle_timeout_s: float | None = 30.0
-
-    def __post_init__(self):
-        if int(self.max_sessions) < 1:
-            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
-        if self.on_busy not in ("reject", "queue"):
-            raise ValueError(f"on_busy must be 'reject' or 'queue', got {self.on_busy!r}")
-        for name in ("hello_timeout_s", "idle_timeout_s"):
-            v = getattr(self, name)
-            if v is not None and not float(v) > 0:
-                raise ValueError(f"{name} must be > 0 s or null, got {v}")
-
-
 class PolicyServer:
     """Serves a chunking policy to robot clients, one session per transport connection.
 
     Args:
         policy: ``wmrl.kernel.interfaces.Policy`` (``sample(Obs) -> PolicySample`` with actions
-            ``(1, H, D_a)``). Real-time chunking is used for requests carrying a prefix when the
-            policy also implements :class:`robot_bridge.rtc.RTCFlowPolicy` (``rtc_velocity_fn``,
-            ``to_flow_space``, ``from_flow_space``, ``num_steps``); the composition root wraps a
-            flow policy in such an adapter.
+            ``(1, H, D_a)``). Requests carrying a prefix are answered by
+            ``policy.sample(obs, generator, prefix=, delay=)`` (real-time chunking, done by the
+            policy: e.g. ``policies.rtc``) when ``rtc`` and ``policy.supports_rtc``; the server
+            only passes the committed actions (controller units) and the delay in steps.
         inference_delay_s: pads each inference to at least this long (benchmarks: simulate a
             large policy); 0 = off.
         delay_jitter_s: uniform extra delay in ``[0, delay_jitter_s]``.
@@ -96,6 +60,7 @@ class PolicyServer:
         limits: what is accepted from the robot (``action_dim`` and ``chunk_size`` are set from
             the policy).
         seed: generator seed for sampling.
+        rtc: answer prefixed requests with real-time chunking (when the policy supports it).
 
     ``stats`` sums every session: ``requests``, ``chunks``, ``errors_sent``, ``rejected``,
     ``inference_s`` (list), ``sessions`` (served), ``busy`` (refused), ``timeouts`` (ended).
@@ -103,8 +68,7 @@ class PolicyServer:
     """
 
     def __init__(self, policy: Any, *, inference_delay_s: float = 0.0, delay_jitter_s: float = 0.0,
-                 heartbeat_s: float = 0.1, limits: M.Limits | None = None, seed: int = 0, rtc: bool = True,
-                 rtc_beta: float = 5.0):
+                 heartbeat_s: float = 0.1, limits: M.Limits | None = None, seed: int = 0, rtc: bool = True):
         self.policy = policy
         self.action_dim = int(policy.action_dim)
         self.chunk_size = int(policy.chunk_size)
@@ -115,8 +79,7 @@ class PolicyServer:
         self.limits = M.Limits(**{**lim.__dict__, "action_dim": self.action_dim, "chunk_size": self.chunk_size})
         self.generator = torch.Generator().manual_seed(seed)
         self.rng = np.random.default_rng(seed)
-        self.supports_prefix = bool(rtc) and hasattr(policy, "rtc_velocity_fn")
-        self.rtc_beta = rtc_beta
+        self.supports_prefix = bool(rtc) and bool(policy.supports_rtc)
         self.stats = {"requests": 0, "chunks": 0, "errors_sent": 0, "rejected": 0, "inference_s": [],
                       "sessions": 0, "busy": 0, "timeouts": 0}
         self.sessions: list[dict] = []
@@ -143,8 +106,9 @@ class PolicyServer:
         _, _, prefix = M.observation_arrays(o)
         with self._policy_lock:
             t0 = time.perf_counter()  # inference = the policy call (padded to the injected delay)
-            if self.supports_prefix and prefix is not None:
-                actions = self._rtc(obs, prefix, int(o.delay_steps))  # needs autograd for the guidance
+            if self.supports_prefix and prefix is not None:  # the policy's guidance may need autograd
+                actions = self.policy.sample(obs, generator=self.generator, prefix=torch.from_numpy(prefix),
+                                             delay=int(o.delay_steps)).actions
             else:
                 with torch.no_grad():
                     actions = self.policy.sample(obs, generator=self.generator).actions
@@ -159,17 +123,6 @@ class PolicyServer:
         if not np.isfinite(a).all():
             raise RuntimeError("policy returned NaN or inf actions; no chunk sent")
         return a[0], dt
-
-    def _rtc(self, obs: Obs, prefix: np.ndarray, delay: int) -> torch.Tensor:
-        pol = self.policy
-        y = pol.to_flow_space(torch.from_numpy(prefix))
-        # the same sampling temperature as the policy's own sampler (e.g. noise_scale=0: from the prior
-        # mean, as the VLA is evaluated); RTC then only adds the prefix guidance
-        scale = float(getattr(getattr(pol, "sampler", None), "noise_scale", 1.0))
-        noise = torch.randn(1, self.chunk_size, self.action_dim, generator=self.generator) * scale
-        x = rtc_sample(pol.rtc_velocity_fn(obs), noise, y, delay, num_steps=int(getattr(pol, "num_steps", 10)),
-                       beta=self.rtc_beta)
-        return pol.from_flow_space(x)
 
     def warmup(self, hello: M.pb.Hello) -> float:
         """One dummy inference with the robot's shapes (zeros), not padded by the delay; returns
@@ -202,7 +155,7 @@ class PolicyServer:
         Returns the session's summary: ``requests``, ``chunks``, ``rejected``, ``errors_sent``,
         ``duration_s``, ``ended`` (``"peer"`` | ``"stopped"`` | ``"timeout: ..."``).
         """
-        sess = _Session(self, transport, idle_timeout_s, hello_timeout_s)
+        sess = Session(self, transport, idle_timeout_s, hello_timeout_s)
         summary = sess.run()
         with self._stats_lock:
             self.stats["sessions"] += 1
@@ -281,150 +234,3 @@ def _close_quietly(conn) -> None:
         conn.close()
     except Exception:  # pragma: no cover
         pass
-
-
-class _Session:
-    """One robot connection of a :class:`PolicyServer`: receive loop (this thread), inference
-    worker and heartbeat threads, per-session counters and timeouts."""
-
-    def __init__(self, server: PolicyServer, transport, idle_timeout_s: float | None,
-                 hello_timeout_s: float | None):
-        self.server = server
-        self.transport = transport
-        self.idle_timeout_s = idle_timeout_s
-        self.hello_timeout_s = hello_timeout_s
-        self.work: queue.Queue = queue.Queue()
-        self.done = threading.Event()
-        self.send_lock = threading.Lock()
-        self.stats = {"requests": 0, "chunks": 0, "rejected": 0, "errors_sent": 0}
-        self.said_hello = False
-        self.ready: Envelope | None = None  # the answer to this session's Hello, once warmed up
-
-    def send(self, env: Envelope) -> None:
-        with self.send_lock:
-            self.transport.send(env)
-
-    def error(self, code: str, message: str, request_id: int = 0) -> None:
-        self.send(M.make_error(code, message, request_id))
-        self._count(errors_sent=1)
-
-    def _count(self, **inc) -> None:
-        for k, v in inc.items():
-            self.stats[k] += v
-        self.server.count(**inc)
-
-    def run(self) -> dict:
-        threads = [threading.Thread(target=self._worker, daemon=True, name="server-worker"),
-                   threading.Thread(target=self._heartbeat, daemon=True, name="server-heartbeat")]
-        for t in threads:
-            t.start()
-        t0 = time.monotonic()
-        try:
-            ended = self._receive(t0)
-        finally:
-            self.done.set()
-            for t in threads:
-                t.join(timeout=1.0)
-        if ended.startswith("timeout"):
-            log.warning("session %s", ended)
-        return {**self.stats, "duration_s": time.monotonic() - t0, "ended": ended}
-
-    def _receive(self, t0: float) -> str:
-        """The receive loop; returns why the session ended."""
-        srv = self.server
-        last = t0
-        while not self.done.is_set():
-            if srv._stop.is_set():
-                return "stopped"
-            try:
-                env = self.transport.recv(timeout=0.05)
-            except M.MessageError as e:  # answered; not activity (a stream of garbage still times out)
-                self._count(rejected=1)
-                log.warning("rejected message: %s", e)
-                self._reply(self.error, e.code, e.detail, e.request_id)
-                env = None
-            except ConnectionError:
-                return "peer"
-            now = time.monotonic()
-            if env is not None and M.kind(env) != "heartbeat":
-                last = now
-                self._handle(env)
-            why = self._timed_out(now, t0, last)
-            if why:
-                self._reply(self.error, "timeout", f"session ended: {why}")
-                return f"timeout: {why}"
-        return "peer"
-
-    def _reply(self, fn, *args) -> None:
-        """``fn(*args)`` (a send); a link that went down ends the session."""
-        try:
-            fn(*args)
-        except (ConnectionError, OSError):
-            self.done.set()
-
-    def _timed_out(self, now: float, t0: float, last: float) -> str:
-        if self.hello_timeout_s is not None and not self.said_hello and now - t0 > self.hello_timeout_s:
-            return f"no Hello within hello_timeout_s={self.hello_timeout_s:g} s"
-        if self.idle_timeout_s is not None and now - last > self.idle_timeout_s:
-            return f"nothing but heartbeats for idle_timeout_s={self.idle_timeout_s:g} s"
-        return ""
-
-    def _handle(self, env: Envelope) -> None:
-        srv = self.server
-        k = M.kind(env)
-        if k == "hello":
-            hl = env.hello
-            if hl.action_dim and hl.action_dim != srv.action_dim:
-                self._reply(self.error, "invalid", f"robot takes D_a={hl.action_dim} but the policy outputs "
-                                                   f"D_a={srv.action_dim}; serve a policy for this robot")
-                return
-            if self.ready is None:  # a repeated Hello (the robot heard nothing yet) gets the same Ready
-                self.said_hello = True
-                self.ready = Envelope(ready=M.pb.Ready(action_dim=srv.action_dim, chunk_size=srv.chunk_size,
-                                                       supports_prefix=srv.supports_prefix, warmup_s=srv.warmup(hl)))
-            self._reply(self.send, self.ready)
-        elif k == "observation":
-            o = env.observation
-            if not o.request:
-                return
-            try:  # again with the policy's D_a and H (the transport may not know them)
-                M.validate_observation(o, srv.limits)
-            except M.MessageError as e:
-                self._count(rejected=1)
-                self._reply(self.error, e.code, e.detail, e.request_id)
-                return
-            self._count(requests=1)
-            self.work.put(o)
-        elif k == "estop":
-            log.warning("robot reported e-stop: %s", env.estop.reason)
-        elif k == "error":
-            log.warning("robot reported error: %s", env.error.message)
-        elif k != "episode_end":
-            self._reply(self.error, "invalid", f"a policy server does not accept {k!r} messages")
-
-    def _worker(self) -> None:
-        srv = self.server
-        while not self.done.is_set():
-            try:
-                o = self.work.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            try:
-                a, dt = srv.infer_timed(o)
-                with srv._stats_lock:
-                    srv.stats["inference_s"].append(dt)
-                self.send(M.make_chunk(actions=a, start_step=o.step, episode=o.episode, obs_stamp_ns=o.stamp_ns,
-                                       inference_s=dt, request_id=o.request_id))
-                self._count(chunks=1)
-            except (ConnectionError, OSError):
-                self.done.set()
-            except Exception as e:  # policy failure: report it, keep serving
-                log.exception("inference failed")
-                self._reply(self.error, "internal", f"inference failed: {e}", o.request_id)
-
-    def _heartbeat(self) -> None:
-        while not self.done.wait(self.server.heartbeat_s):
-            try:
-                self.send(Envelope(heartbeat=M.pb.Heartbeat(stamp_ns=M.now_ns())))
-            except Exception:
-                self.done.set()

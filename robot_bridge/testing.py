@@ -104,6 +104,8 @@ class TrackingPolicy(torch.nn.Module):
     from the state it saw, so executing it late (naive switching) replays motion already done.
     ``D_a = 7``; actions ``float32 (B, H, 7)``."""
 
+    supports_rtc = False
+
     def __init__(self, chunk_size: int = 16, radius: float = 0.05, freq_hz: float = 0.5, dt: float = 0.05,
                  pos_scale: float = 0.05, center=(0.0, 0.0, 0.0), gain: float = 0.3):
         super().__init__()
@@ -137,6 +139,8 @@ class TrackingPolicy(torch.nn.Module):
 class GoalPolicy(torch.nn.Module):
     """Chunked proportional controller to a fixed goal: ``a[:3] = clip(gain (goal - ee) / scale)``
     repeated with the predicted motion over the chunk. ``D_a = 7``."""
+
+    supports_rtc = False
 
     def __init__(self, goal=(0.1, 0.0, 0.1), chunk_size: int = 16, gain: float = 0.3, pos_scale: float = 0.05):
         super().__init__()

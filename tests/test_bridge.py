@@ -10,11 +10,11 @@ import torch
 from robot_bridge import messages as M
 from robot_bridge.client import ClientConfig, RobotClient
 from robot_bridge.queue import ActionQueue
-from robot_bridge.rtc import prefix_weights, rtc_sample
 from robot_bridge.safety import SafetyFilter, SafetyLimits, Watchdog
 from robot_bridge.server import PolicyServer, obs_from_message
 from robot_bridge.testing import GoalPolicy, KinematicArm, TrackingPolicy
 from robot_bridge.transports.inproc import InProcTransport
+from policies.rtc import rtc_sample
 from wmrl.kernel.types import Obs, PolicySample
 
 D_A, D_S = 7, 9
@@ -229,63 +229,35 @@ def test_watchdog_fires_after_silence():
 # ----------------------------------------------------------------------------- real-time chunking
 
 class TwoModeFlowPolicy:
-    """Tiny flow policy: data = two constant chunks (+0.8 / -0.8); exact rectified-flow velocity."""
+    """Tiny flow policy in the convention of ``policies.samplers`` (``x_s = (1 - s) a + s eps``,
+    ``v = eps - a``): data = two constant chunks (+0.8 / -0.8), exact velocity ``E[eps - a | x_s]``;
+    real-time chunking with ``policies.rtc``."""
 
     chunk_size, action_dim, num_steps = 16, D_A, 10
+    supports_rtc = True
 
     def __init__(self):
         self.modes = torch.stack([torch.full((16, D_A), 0.8), torch.full((16, D_A), -0.8)])
+        self.calls: list[tuple] = []  # (prefix, delay) of each sample call
 
-    def rtc_velocity_fn(self, obs):
-        return lambda x, t: self.velocity(obs, x, t)
+    def velocity(self, x, s):
+        ss = s.view(-1, 1, 1).clamp_min(1e-3)
+        d2 = ((x.unsqueeze(1) - (1 - s.view(-1, 1, 1, 1)) * self.modes[None]) ** 2).sum((2, 3))
+        w = torch.softmax(-d2 / (2 * ss.view(-1, 1) ** 2), dim=1)
+        return (x - (w.view(-1, 2, 1, 1) * self.modes[None]).sum(1)) / ss
 
-    def to_flow_space(self, a):
-        return a
-
-    def from_flow_space(self, x):
-        return x
-
-    def velocity(self, obs, x, t):
-        tt = t.view(-1, 1, 1)
-        s = (1 - tt).clamp_min(1e-3)
-        d2 = ((x.unsqueeze(1) - tt.unsqueeze(1) * self.modes[None]) ** 2).sum((2, 3))
-        w = torch.softmax(-d2 / (2 * s.view(-1, 1) ** 2), dim=1)
-        return ((w.view(-1, 2, 1, 1) * self.modes[None]).sum(1) - x) / s
-
-    def sample(self, obs, generator=None):
-        x = torch.randn(obs.batch_size, 16, D_A, generator=generator)
-        for k in range(self.num_steps):
-            x = x + 0.1 * self.velocity(obs, x, torch.full((obs.batch_size,), k * 0.1))
-        return PolicySample(x, torch.zeros(obs.batch_size))
+    def sample(self, obs, generator=None, prefix=None, delay=0):
+        self.calls.append((prefix, delay))
+        noise = torch.randn(obs.batch_size, 16, D_A, generator=generator)
+        return PolicySample(rtc_sample(self.velocity, noise, prefix, delay, self.num_steps), torch.zeros(obs.batch_size))
 
     def log_prob(self, obs, sample):
         return torch.zeros(obs.batch_size)
 
 
-def test_prefix_weights_shape():
-    w = prefix_weights(16, 8, 3)
-    assert w.shape == (16,) and torch.all(w[:3] == 1) and torch.all(w[8:] == 0)
-    assert torch.all(w[3:8] > 0) and torch.all(w[3:8] < 1) and torch.all(torch.diff(w[3:8]) < 0)
-
-
-def test_rtc_continues_the_committed_prefix():
-    pol = TwoModeFlowPolicy()
-    g = torch.Generator().manual_seed(0)
-    noise = torch.randn(100, 16, D_A, generator=g)
-    vel = lambda x, t: pol.velocity(None, x, t)  # noqa: E731
-    plain = rtc_sample(vel, noise, None, 0)
-    prefix = torch.full((8, D_A), 0.8)
-    guided = rtc_sample(vel, noise, prefix, delay=3)
-    frac_plain = (plain.mean((1, 2)) > 0).float().mean().item()
-    frac_guided = (guided[:, 3:].mean((1, 2)) > 0).float().mean().item()
-    assert 0.3 < frac_plain < 0.7  # the policy alone picks either mode
-    assert frac_guided > 0.9  # guided by the prefix it continues the committed mode
-    torch.testing.assert_close(guided[:, :3], prefix[:3].expand(100, -1, -1))
-
-
 def test_server_uses_rtc_for_requests_with_prefix():
-    robot_end, server_end = InProcTransport.pair(M.Limits(action_dim=D_A), M.Limits())
-    srv = PolicyServer(TwoModeFlowPolicy())
+    pol = TwoModeFlowPolicy()
+    srv = PolicyServer(pol)
     assert srv.supports_prefix
     env = _obs_env(prefix_actions=np.full((8, D_A), -0.8, np.float32))
     env.observation.delay_steps = 2
@@ -294,26 +266,20 @@ def test_server_uses_rtc_for_requests_with_prefix():
     assert all(c.shape == (16, D_A) for c in chunks)
     assert sum(c[2:].mean() < 0 for c in chunks) >= 9
     np.testing.assert_allclose(chunks[0][:2], -0.8)
+    prefix, delay = pol.calls[-1]  # the server passes the committed actions and the delay, nothing else
+    assert delay == 2 and torch.equal(prefix, torch.full((8, D_A), -0.8))
 
 
-def test_server_rtc_samples_at_the_policy_sampler_temperature():
-    """A policy evaluated from the prior mean (sampler.noise_scale = 0) gets the same chunk from the
-    RTC path with an empty prefix as from its own sampler: RTC adds guidance, not noise."""
-    from types import SimpleNamespace
-
+def test_server_without_rtc_samples_plainly():
+    """``rtc=False``, or a policy that does not support RTC: no prefix is asked for (``Ready``) and
+    a request's prefix is not passed to the policy."""
+    env = _obs_env(prefix_actions=np.full((8, D_A), -0.8, np.float32))
     pol = TwoModeFlowPolicy()
-    pol.sampler = SimpleNamespace(noise_scale=0.0)
-    pol.sample = lambda obs, generator=None: PolicySample(
-        rtc_sample(pol.rtc_velocity_fn(obs), torch.zeros(1, 16, D_A), None, 0), torch.zeros(1))
-    srv = PolicyServer(pol)
-    env = _obs_env(prefix_actions=np.zeros((0, D_A), np.float32))
-    rtc_chunks = [srv._rtc(obs_from_message(env.observation), np.zeros((0, D_A), np.float32), 0) for _ in range(3)]
-    plain = pol.sample(obs_from_message(env.observation)).actions
-    for c in rtc_chunks:
-        torch.testing.assert_close(c, plain)
-    pol.sampler.noise_scale = 1.0  # a temperature-1 policy gets fresh noise per request
-    a, b = (srv._rtc(obs_from_message(env.observation), np.zeros((0, D_A), np.float32), 0) for _ in range(2))
-    assert not torch.allclose(a, b)
+    srv = PolicyServer(pol, rtc=False)
+    assert not srv.supports_prefix
+    srv.infer(env.observation)
+    assert pol.calls == [(None, 0)]
+    assert not PolicyServer(GoalPolicy()).supports_prefix
 
 
 # ----------------------------------------------------------------------------- server / client
@@ -497,7 +463,6 @@ def test_critic_labels_failure_when_predicate_false():
 
 
 def test_obs_conversion_for_policy():
-    from robot_bridge.server import obs_from_message
 
     o = obs_from_message(_obs_env().observation)
     assert isinstance(o, Obs) and o.validate().images["agentview"].shape == (1, 3, 8, 8)

@@ -131,34 +131,66 @@ def test_bench_bridge_inproc_smoke(tmp_path):
     assert s["jerk_ratio"] is not None and s["jerk"] < s["naive_jerk"]
 
 
-def test_flow_rtc_adapter_matches_policy_sampler_and_freezes_prefix():
-    import torch
-
+def _tiny_flow_vla():
     from policies.flow_vla import FlowVLAPolicy
-    from robot_bridge.rtc import RTCFlowPolicy, rtc_sample
     from wmrl.kernel.storage import NormStats
-    from wmrl.kernel.types import Obs
-    from wmrl.run.serve import FlowRTCAdapter
 
     pol = FlowVLAPolicy(cameras=["agentview"], image_size=[16, 16], state_dim=9, action_dim=7, chunk_size=4,
                         encoder={"kind": "conv", "channels": [8, 16], "out_dim": 16}, lang_dim=16, proprio_dim=8,
                         cond_dim=32, head_width=32, head_depth=1, time_dim=16)
     rng = np.random.default_rng(0)
-    pol.set_norm_stats(NormStats.from_data({"proprio": rng.standard_normal((200, 9)),
-                                            "actions": np.clip(rng.standard_normal((200, 7)), -1, 1)})).eval()
-    ad = FlowRTCAdapter(pol)
-    assert isinstance(ad, RTCFlowPolicy)
+    return pol.set_norm_stats(NormStats.from_data({"proprio": rng.standard_normal((200, 9)),
+                                                   "actions": np.clip(rng.standard_normal((200, 7)), -1, 1)})).eval()
+
+
+def test_flow_vla_rtc_matches_its_sampler_and_freezes_the_prefix():
+    """``FlowVLAPolicy.sample(prefix=, delay=)``: an empty prefix gives the chunk of the policy's own
+    sampler (same flow, same convention, same noise); a prefix's first ``delay`` actions come back
+    as they are; guidance weight 0 is plain RTC sampling; ``noise_scale=0`` is followed."""
+    import torch
+
+    from policies.samplers import EulerODESampler
+    from wmrl.kernel.types import Obs
+
+    pol = _tiny_flow_vla()
+    assert pol.supports_rtc
     g = torch.Generator().manual_seed(0)
     obs = Obs({"agentview": torch.randint(0, 256, (1, 3, 16, 16), generator=g, dtype=torch.uint8)},
               torch.randn(1, 9, generator=g), ["lift the red cube"])
-    ref = pol.sample(obs, generator=torch.Generator().manual_seed(5)).actions
-    noise = torch.randn(1, 4, 7, generator=torch.Generator().manual_seed(5))
-    x = rtc_sample(ad.rtc_velocity_fn(obs), noise, None, 0, num_steps=ad.num_steps)
-    torch.testing.assert_close(ad.from_flow_space(x), ref, atol=1e-5, rtol=1e-4)  # same flow, same convention
+
+    def gen():
+        return torch.Generator().manual_seed(5)
+
+    ref = pol.sample(obs, generator=gen()).actions
+    empty = pol.sample(obs, generator=gen(), prefix=torch.zeros(0, 7), delay=0).actions
+    torch.testing.assert_close(empty, ref, atol=1e-5, rtol=1e-4)
     prefix = torch.full((3, 7), 0.5)
-    y = ad.to_flow_space(prefix)
-    xg = rtc_sample(ad.rtc_velocity_fn(obs), noise, y, delay=2, num_steps=ad.num_steps)
-    torch.testing.assert_close(ad.from_flow_space(xg)[0, :2], prefix[:2], atol=1e-5, rtol=1e-5)
+    guided = pol.sample(obs, generator=gen(), prefix=prefix, delay=2).actions
+    torch.testing.assert_close(guided[0, :2], prefix[:2], atol=1e-5, rtol=1e-5)
+    pol.rtc_beta = 0.0
+    assert torch.equal(pol.sample(obs, generator=gen(), prefix=prefix, delay=0).actions, empty)
+    pol.sampler = EulerODESampler(10, noise_scale=0.0)  # from the prior mean: RTC adds guidance, not noise
+    a, b = (pol.sample(obs, generator=torch.Generator().manual_seed(i), prefix=torch.zeros(0, 7)).actions
+            for i in (1, 2))
+    assert torch.equal(a, b)
+    torch.testing.assert_close(a, pol.sample(obs).actions, atol=1e-5, rtol=1e-4)
+
+
+def test_serve_builds_the_policy_with_its_rtc_settings(tmp_path):
+    from robot_bridge.testing import TrackingPolicy
+    from wmrl.run.bridge import build_policy, make_server
+
+    from omegaconf import OmegaConf
+
+    cfg = _cfg("serve", ["rtc_beta=2.5"])
+    cfg.policy = OmegaConf.create({"_target_": "policies.flow_vla.FlowVLAPolicy", "cameras": ["agentview"],
+                                   "image_size": [16, 16], "chunk_size": 4, "head_width": 32, "head_depth": 1,
+                                   "encoder": {"kind": "conv", "channels": [8], "out_dim": 16}})
+    pol = build_policy(cfg, RunContext(cfg, out_dir=tmp_path))
+    assert pol.rtc_beta == 2.5 and make_server(cfg, RunContext(cfg, out_dir=tmp_path)).supports_prefix
+    cfg = _cfg("serve", ["rtc=false"])
+    srv = make_server(cfg, RunContext(cfg, out_dir=tmp_path))
+    assert isinstance(srv.policy, TrackingPolicy) and not srv.supports_prefix
 
 
 def test_operator_estop_signal_stops_node_and_records_episode(tmp_path):
@@ -189,7 +221,8 @@ BENCH_PARENT = """
 import sys, time
 from pathlib import Path
 from wmrl.run.bench_bridge import _start_server_process
-proc, address = _start_server_process("grpc", 0.0, 16, Path(sys.argv[1]), 0, {"nice": None})
+from wmrl.run.bridge import link_by_name
+proc = _start_server_process(link_by_name("grpc").on_loopback(0), 0.0, 16, Path(sys.argv[1]), {"nice": None})
 print(proc.pid, flush=True)
 time.sleep(120)
 """

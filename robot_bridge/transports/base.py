@@ -61,3 +61,47 @@ class ByteTransport:
     # -- subclasses
     def send_bytes(self, data: bytes) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+class TransportLink:
+    """How the robot and the policy server reach each other over one transport: one subclass per
+    transport, built from ``configs/transport/<name>.yaml`` by its Hydra ``_target_`` (the YAML's
+    other keys are the constructor's arguments). The composition roots (``wmrl serve``,
+    ``wmrl robot``, ``wmrl bench bridge``) use only these members, so a new transport is one
+    class plus one YAML file (example: ``tests/examples/loopback_transport.py``).
+
+    Attributes:
+        name: the config name (``transport=<name>``), reported in ``wmrl robot``'s report.
+        same_process: the policy server must run in the robot's process (``wmrl robot`` starts
+            it in a thread; ``wmrl serve`` refuses the link).
+        connect_timeout_s: the robot's first wait for the server (s), see ``wmrl robot``.
+    """
+
+    name = ""
+    same_process = False
+    connect_timeout_s = 1.0
+
+    def robot(self, limits: Limits, *, cameras=(), control_hz: float = 20.0,
+              connect_timeout_s: float | None = None):
+        """A new robot end (a ``wmrl.kernel.interfaces.Transport``) connected to the server.
+        ``connect_timeout_s``: how long to wait for the server (``None``: the transport's default).
+        Raises ``ConnectionError`` when no server is reached."""
+        raise NotImplementedError
+
+    def server(self, limits: Limits, *, max_sessions: int = 4):
+        """The server endpoint: ``accept(timeout) -> Transport | None`` per robot connection,
+        ``address`` (str, printed by ``wmrl serve``) and ``close()``."""
+        raise NotImplementedError
+
+    def start_hint(self) -> str:
+        """What to do when the robot reaches no server (appended to its ``ConnectionError``)."""
+        return f"start `wmrl serve transport={self.name}` with the same transport settings"
+
+    def overrides(self) -> list[str]:
+        """The Hydra overrides that make ``wmrl serve`` / ``wmrl robot`` use this link."""
+        return [f"transport={self.name}"]
+
+    def on_loopback(self, index: int) -> "TransportLink":
+        """A link of the same kind on a fresh loopback address (benchmarks and tests start many
+        servers in a row); ``index`` tells runs apart (e.g. the DDS domain)."""
+        return self

@@ -25,7 +25,7 @@ from concurrent import futures
 import grpc
 
 from robot_bridge.messages import Limits
-from robot_bridge.transports.base import _CLOSED, ByteTransport
+from robot_bridge.transports.base import _CLOSED, ByteTransport, TransportLink
 
 METHOD = "/wmrl.bridge.Bridge/Stream"
 _LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
@@ -172,3 +172,43 @@ class GrpcServer:
 
     def stop(self, grace: float | None = 0.5) -> None:
         self._server.stop(grace)
+
+    def close(self) -> None:
+        """Stop at once (no grace)."""
+        self.stop(0)
+
+
+class GrpcLink(TransportLink):
+    """``configs/transport/grpc.yaml``: the robot opens a :class:`GrpcClientTransport` to a
+    :class:`GrpcServer` at ``address`` (loopback only unless ``allow_remote``)."""
+
+    name = "grpc"
+
+    def __init__(self, address: str = "127.0.0.1:50051", allow_remote: bool = False, connect_timeout_s: float = 1.0):
+        self.address = str(address)
+        self.allow_remote = bool(allow_remote)
+        self.connect_timeout_s = float(connect_timeout_s)
+
+    def robot(self, limits: Limits, *, cameras=(), control_hz: float = 20.0,
+              connect_timeout_s: float | None = None) -> GrpcClientTransport:
+        kw = {} if connect_timeout_s is None else {"connect_timeout_s": connect_timeout_s}
+        return GrpcClientTransport(self.address, limits, allow_remote=self.allow_remote, **kw)
+
+    def server(self, limits: Limits, *, max_sessions: int = 4) -> GrpcServer:
+        # room for the connections told [busy]
+        return GrpcServer(self.address, limits, allow_remote=self.allow_remote, max_streams=int(max_sessions) + 4)
+
+    def start_hint(self) -> str:
+        return (f"start `wmrl serve transport=grpc transport.address={self.address}` or set "
+                f"transport.address to where it listens")
+
+    def overrides(self) -> list[str]:
+        return [f"transport={self.name}", f"transport.address={self.address}"]
+
+    def on_loopback(self, index: int) -> "GrpcLink":
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return GrpcLink(f"127.0.0.1:{port}", connect_timeout_s=self.connect_timeout_s)

@@ -30,8 +30,10 @@ class Policy(Protocol):
         chunk_size: ``H``, actions per sampled chunk.
         action_dim: ``D_a``.
         supports_rtc: whether the policy samples a chunk guided by a committed prefix of the previous
-            one (real-time chunking, Black et al. 2025) in its own flow-time convention; the robot
-            bridge asks for it only when ``True``.
+            one (real-time chunking, Black et al. 2025) in its own flow-time convention: ``sample``
+            then also takes ``prefix=`` (committed actions ``float32 (P, D_a)``, controller units)
+            and ``delay=`` (int, prefix actions frozen) and returns a chunk that continues the prefix
+            (``policies.rtc``); the robot bridge asks for it only when ``True``.
     """
 
     chunk_size: int  # H

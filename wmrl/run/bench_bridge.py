@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -49,7 +48,9 @@ from robot_bridge.client import ClientConfig, RobotClient
 from robot_bridge.messages import Limits
 from robot_bridge.server import PolicyServer
 from robot_bridge.testing import KinematicArm, TrackingPolicy
+from robot_bridge.transports.base import TransportLink
 from wmrl.kernel.workers import child_env
+from wmrl.run.bridge import link_by_name, serve_in_process
 from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.bench_bridge")
@@ -68,22 +69,10 @@ def boundary_jerk(actions: np.ndarray, chunk_ids: np.ndarray, dims=(0, 1, 2)) ->
     return float(d2[b - 1].mean()) if len(b) else float("nan")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server_process(kind: str, delay: float, chunk: int, out_dir: Path, domain_id: int, process: dict):
-    args = [sys.executable, "-m", "wmrl.cli", "serve", f"transport={kind}", f"inference_delay_s={delay}",
+def _start_server_process(link: TransportLink, delay: float, chunk: int, out_dir: Path, process: dict):
+    args = [sys.executable, "-m", "wmrl.cli", "serve", *link.overrides(), f"inference_delay_s={delay}",
             f"policy.chunk_size={chunk}", "max_connections=1", "accept_timeout_s=120", f"hydra.run.dir={out_dir}"]
     args += [f"process.{k}={'null' if v is None else v}" for k, v in process.items()]
-    address = None
-    if kind == "grpc":
-        address = f"127.0.0.1:{_free_port()}"
-        args.append(f"transport.address={address}")
-    else:
-        args.append(f"transport.domain_id={domain_id}")
     env = child_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))  # die with this process
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     t_end = time.monotonic() + 120
@@ -95,9 +84,23 @@ def _start_server_process(kind: str, delay: float, chunk: int, out_dir: Path, do
         lines.append(line)
         if "wmrl-serve ready" in line:
             threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # drain
-            return proc, address
+            return proc
     proc.kill()
     raise RuntimeError("policy server did not start:\n" + "".join(lines[-20:]))
+
+
+def _start_server(kind: str, delay: float, cfg: DictConfig, out_dir: Path, domain_id: int, arm, limits: Limits):
+    """``(robot transport, server process or None, in-process server or None)`` for one run over
+    the transport ``configs/transport/<kind>.yaml`` on a fresh loopback address: an in-process
+    link gets a server thread, the others a ``wmrl serve`` process."""
+    link = link_by_name(kind).on_loopback(domain_id)
+    if link.same_process:
+        server = PolicyServer(TrackingPolicy(chunk_size=int(cfg.chunk_size), dt=1.0 / float(cfg.control_hz)),
+                              inference_delay_s=delay, limits=Limits(state_dim=9))
+        serve_in_process(server, link)
+        return link.robot(limits, cameras=arm.cameras, control_hz=float(cfg.control_hz)), None, server
+    proc = _start_server_process(link, delay, int(cfg.chunk_size), out_dir, OmegaConf.to_container(cfg.process))
+    return link.robot(limits, cameras=arm.cameras, control_hz=float(cfg.control_hz)), proc, None
 
 
 def run_one(kind: str, delay: float, merge: str, cfg: DictConfig, out_dir: Path, domain_id: int) -> dict:
@@ -106,27 +109,7 @@ def run_one(kind: str, delay: float, merge: str, cfg: DictConfig, out_dir: Path,
     steps = int(round(float(cfg.duration_s) * float(cfg.control_hz)))
     policy_kw = dict(chunk_size=int(cfg.chunk_size), dt=dt)
     arm = KinematicArm(image_size=tuple(cfg.image_size), dt=dt, start=(0.0, 0.0, 0.0))
-    proc = None
-    limits = Limits(action_dim=7)
-    if kind == "inproc":
-        from robot_bridge.transports.inproc import InProcTransport
-
-        robot_end, server_end = InProcTransport.pair(limits, Limits(state_dim=9))
-        server = PolicyServer(TrackingPolicy(**policy_kw), inference_delay_s=delay)
-        threading.Thread(target=server.serve, args=(server_end,), daemon=True).start()
-        transport = robot_end
-    else:
-        proc, address = _start_server_process(kind, delay, int(cfg.chunk_size), out_dir, domain_id,
-                                              OmegaConf.to_container(cfg.process))
-        if kind == "grpc":
-            from robot_bridge.transports.grpc_transport import GrpcClientTransport
-
-            transport = GrpcClientTransport(address, limits)
-        else:
-            from robot_bridge.transports.ros2 import Ros2Transport
-
-            transport = Ros2Transport("robot", cameras=arm.cameras, domain_id=domain_id, limits=limits,
-                                      control_hz=float(cfg.control_hz))
+    transport, proc, _ = _start_server(kind, delay, cfg, out_dir, domain_id, arm, Limits(action_dim=7))
     try:
         client = RobotClient(arm, transport, ClientConfig(control_hz=float(cfg.control_hz), merge=merge,
                                                           max_steps=steps, stop_on_success=False,
@@ -164,26 +147,8 @@ def run_fault(kind: str, cfg: DictConfig, out_dir: Path, domain_id: int) -> dict
     moving, when it held, and when the watchdog stopped it (s after the kill)."""
     dt = 1.0 / float(cfg.control_hz)
     arm = KinematicArm(image_size=tuple(cfg.image_size), dt=dt)
-    limits = Limits(action_dim=7)
-    server = proc = None
-    if kind == "inproc":
-        from robot_bridge.transports.inproc import InProcTransport
-
-        transport, server_end = InProcTransport.pair(limits, Limits(state_dim=9))
-        server = PolicyServer(TrackingPolicy(chunk_size=int(cfg.chunk_size), dt=dt), inference_delay_s=float(cfg.jerk_delay_s))
-        threading.Thread(target=server.serve, args=(server_end,), daemon=True).start()
-    else:
-        proc, address = _start_server_process(kind, float(cfg.jerk_delay_s), int(cfg.chunk_size), out_dir, domain_id,
-                                              OmegaConf.to_container(cfg.process))
-        if kind == "grpc":
-            from robot_bridge.transports.grpc_transport import GrpcClientTransport
-
-            transport = GrpcClientTransport(address, limits)
-        else:
-            from robot_bridge.transports.ros2 import Ros2Transport
-
-            transport = Ros2Transport("robot", cameras=arm.cameras, domain_id=domain_id, limits=limits,
-                                      control_hz=float(cfg.control_hz))
+    transport, proc, server = _start_server(kind, float(cfg.jerk_delay_s), cfg, out_dir, domain_id, arm,
+                                            Limits(action_dim=7))
     wd = float(cfg.fault_watchdog_s)
     client = RobotClient(arm, transport, ClientConfig(control_hz=float(cfg.control_hz), max_steps=100_000,
                                                       stop_on_success=False, watchdog_s=wd))
@@ -227,29 +192,23 @@ def run_e2e(cfg: DictConfig, ctx: RunContext) -> list[dict]:
         for delay in e.delays_s:
             i += 1
             run_dir = ctx.out_dir / "e2e" / f"{i:02d}_{kind}_{int(1000 * float(delay))}ms"
-            robot_args = [sys.executable, "-m", "wmrl.cli", "robot", f"transport={kind}", f"episodes={e.episodes}",
+            link = link_by_name(kind).on_loopback(int(cfg.domain_id) + 40 + i)  # a fresh loopback address
+            robot_args = [sys.executable, "-m", "wmrl.cli", "robot", *link.overrides(), f"episodes={e.episodes}",
                           f"control.max_steps={e.max_steps}", f"control.control_hz={e.control_hz}",
                           f"hydra.run.dir={run_dir / 'robot'}", *proc_over, *list(e.robot_overrides)]
             server = None
-            if kind == "inproc":
+            if link.same_process:
                 robot_args += [f"inproc_server.inference_delay_s={delay}"]
                 robot_args += [("+" if o.startswith("+") else "") + f"inproc_server.{o.lstrip('+')}"
                                for o in e.serve_overrides]
                 if e.checkpoint:
                     robot_args += [f"inproc_server.checkpoint={ctx.path(e.checkpoint)}"]
             else:
-                serve_args = [sys.executable, "-m", "wmrl.cli", "serve", f"transport={kind}",
+                serve_args = [sys.executable, "-m", "wmrl.cli", "serve", *link.overrides(),
                               f"inference_delay_s={delay}", "max_connections=1", "accept_timeout_s=300",
                               f"hydra.run.dir={run_dir / 'serve'}", *proc_over, *list(e.serve_overrides)]
                 if e.checkpoint:
                     serve_args.append(f"checkpoint={ctx.path(e.checkpoint)}")
-                if kind == "grpc":
-                    addr = f"127.0.0.1:{_free_port()}"
-                    serve_args.append(f"transport.address={addr}")
-                    robot_args.append(f"transport.address={addr}")
-                else:
-                    serve_args.append(f"transport.domain_id={int(cfg.domain_id) + 40 + i}")
-                    robot_args.append(f"transport.domain_id={int(cfg.domain_id) + 40 + i}")
                 (run_dir / "serve").mkdir(parents=True, exist_ok=True)
                 server = subprocess.Popen(serve_args, cwd=REPO, env=env, stderr=subprocess.STDOUT,
                                           stdout=open(run_dir / "serve" / "stdout.txt", "w"))

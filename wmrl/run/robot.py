@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 
 import hydra
 import numpy as np
@@ -37,7 +36,9 @@ from robot_bridge.arm import ChunkEnvArm, EpisodeRecorder, run_node
 from robot_bridge.client import ClientConfig, ReconnectPolicy, with_retry
 from robot_bridge.messages import Limits
 from robot_bridge.safety import SafetyLimits
+from robot_bridge.transports.base import TransportLink
 from wmrl.kernel.types import PANDA_OSC_POSE, Obs
+from wmrl.run.bridge import make_link, make_server, serve_in_process
 from wmrl.run.common import RunContext, run_main
 
 log = logging.getLogger("wmrl.robot")
@@ -81,45 +82,24 @@ def build_critic(cfg: DictConfig, ctx: RunContext):
     return success_prob
 
 
-def start_inproc_server(cfg: DictConfig, ctx: RunContext, limits_robot: Limits):
-    """Policy server in a thread of this process, joined by an in-process transport."""
-    from robot_bridge.transports.inproc import InProcTransport
-    from wmrl.run.serve import make_server
+def transport_factory(link: TransportLink, arm, limits: Limits, control_hz: float):
+    """``() -> transport`` opening a new link to the policy server of ``link``; its
+    ``ConnectionError`` names the address tried and the setting to change (``link.start_hint()``).
 
-    server = make_server(cfg.inproc_server, ctx)
-    robot_end, server_end = InProcTransport.pair(limits_robot, server.limits)
-    th = threading.Thread(target=server.serve, args=(server_end,), daemon=True, name="inproc-server")
-    th.start()
-    return robot_end, server
-
-
-def transport_factory(cfg: DictConfig, arm, limits: Limits):
-    """``() -> transport`` opening a new link to the policy server of ``cfg.transport``; its
-    ``ConnectionError`` names the address tried and the setting to change.
-
-    The first try waits ``transport.connect_timeout_s`` (a missing server is reported at once);
+    The first try waits ``link.connect_timeout_s`` (a missing server is reported at once);
     each further try after a failed one waits twice as long, up to 4x (a slow network still gets
     through); a try that reaches the server resets it.
     """
-    kind = cfg.transport.kind
-    make = instantiate(cfg.transport.robot, _partial_=True)
-    base_s = float(cfg.transport.connect_timeout_s)
+    base_s = float(link.connect_timeout_s)
     failed = [0]
-    kw = {"limits": limits}
-    if kind == "ros2":
-        kw.update(cameras=list(arm.cameras), control_hz=float(cfg.control.control_hz))
-        hint = (f"start `wmrl serve transport=ros2 transport.domain_id={cfg.transport.domain_id}` or set "
-                f"transport.domain_id / transport.namespace / transport.config to the server's")
-    else:
-        hint = (f"start `wmrl serve transport=grpc transport.address={cfg.transport.address}` or set "
-                f"transport.address to where it listens")
 
     def open_link():
         try:
-            t = make(**kw, connect_timeout_s=base_s * 2 ** min(failed[0], 2))
+            t = link.robot(limits, cameras=list(arm.cameras), control_hz=control_hz,
+                           connect_timeout_s=base_s * 2 ** min(failed[0], 2))
         except ConnectionError as e:
             failed[0] += 1
-            raise ConnectionError(f"{e}; {hint}") from None
+            raise ConnectionError(f"{e}; {link.start_hint()}") from None
         failed[0] = 0
         return t
 
@@ -142,11 +122,12 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     client_cfg = ClientConfig(**OmegaConf.to_container(cfg.control, resolve=True))
     safety = SafetyLimits(**OmegaConf.to_container(cfg.safety, resolve=True))
     critic = build_critic(cfg, ctx)
-    factory, reconnect = None, reconnect_policy(cfg)
-    if cfg.transport.kind == "inproc":
-        transport, _ = start_inproc_server(cfg, ctx, limits)
+    link, reconnect = make_link(cfg.transport), reconnect_policy(cfg)
+    factory = transport_factory(link, arm, limits, float(cfg.control.control_hz))
+    if link.same_process:  # the policy server runs in a thread of this process; no reconnection
+        serve_in_process(make_server(cfg.inproc_server, ctx), link)
+        transport, factory = factory(), None
     else:  # reach the server before the store is created (a missing one leaves nothing behind)
-        factory = transport_factory(cfg, arm, limits)
         transport = with_retry(factory, reconnect)
     store_path = ctx.path(cfg.store) if cfg.get("store") else ctx.out_dir / "episodes"
     try:
@@ -162,7 +143,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
                        critic=critic, transport_factory=factory, reconnect=reconnect)
     summary["store"] = str(store_path)
     summary["recorded"] = recorder.indices
-    summary["transport"] = cfg.transport.kind
+    summary["transport"] = link.name
     summary["process"] = tuned
     for r in summary["episodes"]:
         log.info("episode %d %s: success=%s label=%r steps=%d starved=%d ttfa=%.3fs p99=%s ms", r["episode"],

@@ -1,0 +1,203 @@
+"""One robot connection of a ``robot_bridge.server.PolicyServer`` (a *session*): its receive loop,
+inference worker and heartbeat threads, per-session counters and the hello / idle timeouts; and
+:class:`SessionLimits`, how the server shares its policy among connections.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from robot_bridge import messages as M
+
+if TYPE_CHECKING:
+    from robot_bridge.server import PolicyServer
+
+log = logging.getLogger("robot_bridge.server")
+
+Envelope = M.Envelope
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """How :meth:`PolicyServer.serve_endpoint` shares one policy among robot connections.
+
+    Attributes:
+        max_sessions: robots served at once (>= 1).
+        on_busy: what a connection beyond ``max_sessions`` gets: ``"reject"``, an ``Error``
+            ``[busy]`` naming the limit, then the connection is closed; ``"queue"``, it waits
+            until a session ends (its ``Hello`` is answered then).
+        hello_timeout_s: a connection that has sent no ``Hello`` within this many seconds of
+            its session's start is ended with ``[timeout]`` (``None``: no limit).
+        idle_timeout_s: a session that received nothing but heartbeats for this many seconds
+            is ended with ``[timeout]`` (``None``: no limit).
+
+    Raises:
+        ValueError: ``max_sessions < 1``, an unknown ``on_busy``, or a timeout ``<= 0``.
+    """
+
+    max_sessions: int = 4
+    on_busy: str = "reject"
+    hello_timeout_s: float | None = 5.0
+    idle_timeout_s: float | None = 30.0
+
+    def __post_init__(self):
+        if int(self.max_sessions) < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        if self.on_busy not in ("reject", "queue"):
+            raise ValueError(f"on_busy must be 'reject' or 'queue', got {self.on_busy!r}")
+        for name in ("hello_timeout_s", "idle_timeout_s"):
+            v = getattr(self, name)
+            if v is not None and not float(v) > 0:
+                raise ValueError(f"{name} must be > 0 s or null, got {v}")
+
+
+class Session:
+    """One robot connection of a :class:`robot_bridge.server.PolicyServer`: receive loop (this thread), inference
+    worker and heartbeat threads, per-session counters and timeouts."""
+
+    def __init__(self, server: PolicyServer, transport, idle_timeout_s: float | None,
+                 hello_timeout_s: float | None):
+        self.server = server
+        self.transport = transport
+        self.idle_timeout_s = idle_timeout_s
+        self.hello_timeout_s = hello_timeout_s
+        self.work: queue.Queue = queue.Queue()
+        self.done = threading.Event()
+        self.send_lock = threading.Lock()
+        self.stats = {"requests": 0, "chunks": 0, "rejected": 0, "errors_sent": 0}
+        self.said_hello = False
+        self.ready: Envelope | None = None  # the answer to this session's Hello, once warmed up
+
+    def send(self, env: Envelope) -> None:
+        with self.send_lock:
+            self.transport.send(env)
+
+    def error(self, code: str, message: str, request_id: int = 0) -> None:
+        self.send(M.make_error(code, message, request_id))
+        self._count(errors_sent=1)
+
+    def _count(self, **inc) -> None:
+        for k, v in inc.items():
+            self.stats[k] += v
+        self.server.count(**inc)
+
+    def run(self) -> dict:
+        threads = [threading.Thread(target=self._worker, daemon=True, name="server-worker"),
+                   threading.Thread(target=self._heartbeat, daemon=True, name="server-heartbeat")]
+        for t in threads:
+            t.start()
+        t0 = time.monotonic()
+        try:
+            ended = self._receive(t0)
+        finally:
+            self.done.set()
+            for t in threads:
+                t.join(timeout=1.0)
+        if ended.startswith("timeout"):
+            log.warning("session %s", ended)
+        return {**self.stats, "duration_s": time.monotonic() - t0, "ended": ended}
+
+    def _receive(self, t0: float) -> str:
+        """The receive loop; returns why the session ended."""
+        srv = self.server
+        last = t0
+        while not self.done.is_set():
+            if srv._stop.is_set():
+                return "stopped"
+            try:
+                env = self.transport.recv(timeout=0.05)
+            except M.MessageError as e:  # answered; not activity (a stream of garbage still times out)
+                self._count(rejected=1)
+                log.warning("rejected message: %s", e)
+                self._reply(self.error, e.code, e.detail, e.request_id)
+                env = None
+            except ConnectionError:
+                return "peer"
+            now = time.monotonic()
+            if env is not None and M.kind(env) != "heartbeat":
+                last = now
+                self._handle(env)
+            why = self._timed_out(now, t0, last)
+            if why:
+                self._reply(self.error, "timeout", f"session ended: {why}")
+                return f"timeout: {why}"
+        return "peer"
+
+    def _reply(self, fn, *args) -> None:
+        """``fn(*args)`` (a send); a link that went down ends the session."""
+        try:
+            fn(*args)
+        except (ConnectionError, OSError):
+            self.done.set()
+
+    def _timed_out(self, now: float, t0: float, last: float) -> str:
+        if self.hello_timeout_s is not None and not self.said_hello and now - t0 > self.hello_timeout_s:
+            return f"no Hello within hello_timeout_s={self.hello_timeout_s:g} s"
+        if self.idle_timeout_s is not None and now - last > self.idle_timeout_s:
+            return f"nothing but heartbeats for idle_timeout_s={self.idle_timeout_s:g} s"
+        return ""
+
+    def _handle(self, env: Envelope) -> None:
+        srv = self.server
+        k = M.kind(env)
+        if k == "hello":
+            hl = env.hello
+            if hl.action_dim and hl.action_dim != srv.action_dim:
+                self._reply(self.error, "invalid", f"robot takes D_a={hl.action_dim} but the policy outputs "
+                                                   f"D_a={srv.action_dim}; serve a policy for this robot")
+                return
+            if self.ready is None:  # a repeated Hello (the robot heard nothing yet) gets the same Ready
+                self.said_hello = True
+                self.ready = Envelope(ready=M.pb.Ready(action_dim=srv.action_dim, chunk_size=srv.chunk_size,
+                                                       supports_prefix=srv.supports_prefix, warmup_s=srv.warmup(hl)))
+            self._reply(self.send, self.ready)
+        elif k == "observation":
+            o = env.observation
+            if not o.request:
+                return
+            try:  # again with the policy's D_a and H (the transport may not know them)
+                M.validate_observation(o, srv.limits)
+            except M.MessageError as e:
+                self._count(rejected=1)
+                self._reply(self.error, e.code, e.detail, e.request_id)
+                return
+            self._count(requests=1)
+            self.work.put(o)
+        elif k == "estop":
+            log.warning("robot reported e-stop: %s", env.estop.reason)
+        elif k == "error":
+            log.warning("robot reported error: %s", env.error.message)
+        elif k != "episode_end":
+            self._reply(self.error, "invalid", f"a policy server does not accept {k!r} messages")
+
+    def _worker(self) -> None:
+        srv = self.server
+        while not self.done.is_set():
+            try:
+                o = self.work.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            try:
+                a, dt = srv.infer_timed(o)
+                with srv._stats_lock:
+                    srv.stats["inference_s"].append(dt)
+                self.send(M.make_chunk(actions=a, start_step=o.step, episode=o.episode, obs_stamp_ns=o.stamp_ns,
+                                       inference_s=dt, request_id=o.request_id))
+                self._count(chunks=1)
+            except (ConnectionError, OSError):
+                self.done.set()
+            except Exception as e:  # policy failure: report it, keep serving
+                log.exception("inference failed")
+                self._reply(self.error, "internal", f"inference failed: {e}", o.request_id)
+
+    def _heartbeat(self) -> None:
+        while not self.done.wait(self.server.heartbeat_s):
+            try:
+                self.send(Envelope(heartbeat=M.pb.Heartbeat(stamp_ns=M.now_ns())))
+            except Exception:
+                self.done.set()

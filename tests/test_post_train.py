@@ -24,7 +24,7 @@ def _cfg(tmp_path, **over):
         "seed": 0, "num_threads": 1, "device": "cpu", "checkpoint": str(tmp_path / "bc"), "tasks": TASKS, "suite": None,
         "iterations": 4, "lr": 0.03, "resume": True, "checkpoint_every": 2, "tensorboard": True, "progress": False,
         "rl_sampler": None, "eval_sampler": None,
-        "env": {"name": "imagination", "needs_context": True, "chunk_env": env, "context_env": real},
+        "env": {"name": "imagination", "context_starts": True, "chunk_env": env, "context_env": real},
         "grpo": {"group_size": 4, "max_chunks": 4, "epochs": 2, "minibatch_size": 32, "kl_coef": 0.01,
                  "reward_mode": "return+success"},
         "starts": {"n_init": 20, "per_task": 2},

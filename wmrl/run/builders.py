@@ -4,7 +4,8 @@ components (``sim``, ``worldmodels``, ``policies``) are put together with the en
 
 * policies: :func:`load_policy`, :func:`rl_policy` / :func:`steered_policy`, :func:`using_sampler`,
   :func:`trainable_parameters`, :func:`build_actor` (for evaluation workers);
-* environments: :func:`make_sim_env`, :func:`make_imagination_env` (Hydra ``_target_`` factories),
+* environments: :func:`make_sim_env`, :func:`make_imagination_env`, the env configs' ``_target_``s
+  :func:`sim_chunk_env` / :func:`imagination_chunk_env`,
   :func:`build_env` (GRPO's ChunkEnv), :func:`build_suite`, :func:`task_instructions`,
   :func:`train_n_init`;
 * evaluation: :func:`evaluate_real` (real-sim success on held-out init states).
@@ -124,24 +125,44 @@ def load_policy(path, device: str = "cpu"):
     return load_checkpoint(path, map_location=device), cfg
 
 
+def sim_chunk_env(num_envs: int, suite=None, **labels):
+    """``configs/env/sim.yaml``'s ``_target_``: the suite's SimEnv with ``num_envs`` slots.
+    ``labels``: the env config's other keys (``name``, ``context_starts``, ``seed``, ``device``), which
+    the SimEnv does not take. Raises ``ValueError`` without a suite."""
+    if suite is None:
+        raise ValueError("env=sim needs a suite (suite=default)")
+    return make_sim_env(int(num_envs), suite=suite)
+
+
+def imagination_chunk_env(world_model: str, critic: str, num_envs: int, imagination: dict | None = None,
+                          seed: int = 0, device: str = "cpu", **labels):
+    """``configs/env/imagination.yaml``'s ``_target_``: an ImaginationEnv from world-model and critic
+    checkpoint folders (:func:`make_imagination_env`); ``imagination``: its options. ``labels``: the
+    env config's other keys (``name``, ``context_starts``, ``context_num_envs``, ``suite``).
+    Raises ``ValueError`` when a checkpoint path is missing."""
+    for k, v in (("world_model", world_model), ("critic", critic)):
+        if v in (None, "", "???"):
+            raise ValueError(f"env=imagination needs env.{k}=PATH (a {k} checkpoint folder)")
+    kw = OmegaConf.to_container(imagination, resolve=True) if OmegaConf.is_config(imagination) else dict(imagination or {})
+    return make_imagination_env(str(world_model), str(critic), int(num_envs), seed=seed, device=device, **kw)
+
+
+# keys of an env config that describe how the roots use the env, not how it is built
+_ENV_USE_KEYS = ("chunk_env", "context_env")
+
+
 def build_env(env_cfg: DictConfig, suite, seed: int = 0, device: str = "cpu"):
-    """The GRPO ChunkEnv: ``env_cfg.chunk_env`` (any ``_target_``) if given, else the suite's SimEnv
-    (``name: sim``) or an ImaginationEnv from checkpoints (``name: imagination``)."""
+    """GRPO's ChunkEnv: ``env_cfg.chunk_env`` (any ``_target_``) if given, else ``env_cfg`` itself
+    instantiated through its ``_target_`` (``configs/env/*.yaml``: :func:`sim_chunk_env`,
+    :func:`imagination_chunk_env`, or a new env's own factory) with ``suite``, ``seed`` and ``device``.
+    Raises ``ValueError`` for a config without ``_target_``."""
     if env_cfg.get("chunk_env"):
         return instantiate(env_cfg.chunk_env, seed=seed) if "seed" in env_cfg.chunk_env else instantiate(env_cfg.chunk_env)
-    name = str(env_cfg.name)
-    if name == "sim":
-        if suite is None:
-            raise ValueError("env=sim needs a suite (suite=default)")
-        return make_sim_env(int(env_cfg.num_envs), suite=suite)
-    if name == "imagination":
-        for k in ("world_model", "critic"):
-            if env_cfg.get(k) in (None, "", "???"):
-                raise ValueError(f"env=imagination needs env.{k}=PATH (a {k} checkpoint folder)")
-        kw = OmegaConf.to_container(env_cfg.get("imagination") or {}, resolve=True)
-        return make_imagination_env(str(env_cfg.world_model), str(env_cfg.critic), int(env_cfg.num_envs), seed=seed,
-                                    device=device, **kw)  # type: ignore[arg-type]
-    raise ValueError(f"env.name must be 'sim' or 'imagination', got {name!r}")
+    if not env_cfg.get("_target_"):
+        raise ValueError("the env config needs a _target_ (a ChunkEnv factory, e.g. wmrl.run.builders.sim_chunk_env) "
+                         "or chunk_env: {_target_: ...}")
+    spec = {k: v for k, v in OmegaConf.to_container(env_cfg, resolve=True).items() if k not in _ENV_USE_KEYS}
+    return instantiate(spec, suite=suite, seed=seed, device=device, _recursive_=False)
 
 
 def evaluate_real(policy, tasks: dict, episodes_per_task: int, num_envs: int, seed: int, suite=None, env=None,

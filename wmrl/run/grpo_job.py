@@ -52,8 +52,9 @@ def _maybe_refresher(cfg: DictConfig, ctx: RunContext, env, suite, tasks: dict, 
     rc = cfg.get("refresh")
     if rc is None or int(rc.get("every", 0) or 0) <= 0:
         return None
-    if str(cfg.env.name) != "imagination":
-        raise ValueError("refresh.every > 0 refines the world model: it needs env=imagination")
+    if not cfg.env.get("world_model") or not cfg.env.get("critic"):
+        raise ValueError("refresh.every > 0 refines the world model: it needs env=imagination "
+                         "(env.world_model and env.critic checkpoints)")
     if suite is None:
         raise ValueError("refresh.every > 0 needs a suite (the real sim the policy is rolled out in)")
     if rc.get("store") in (None, "", "???"):
@@ -95,7 +96,7 @@ def _starts(cfg: DictConfig, ctx: RunContext, suite, tasks: dict, n_init: int):
     (``ContextStarts``) and optionally mixed with keyframes of ``starts.store``."""
     starts_fn = InitStateStarts(tasks, n_init=n_init, per_task=cfg.starts.per_task, split="train", seed=cfg.seed)
     keyframes = int(cfg.starts.get("keyframes_per_task") or 0) if cfg.starts.get("store") else 0
-    if str(cfg.env.name) == "imagination":
+    if bool(cfg.env.get("context_starts", False)):   # e.g. an imagination env: real first frames
         ctx_env = instantiate(cfg.env.context_env) if cfg.env.get("context_env") else \
             make_sim_env(int(cfg.env.get("context_num_envs", 4)), suite=suite)
         starts_fn = ContextStarts(starts_fn, ctx_env)
@@ -103,7 +104,8 @@ def _starts(cfg: DictConfig, ctx: RunContext, suite, tasks: dict, n_init: int):
             starts_fn = MixedStarts(starts_fn, KeyframeStarts(ctx.path(cfg.starts.store), tasks, keyframes,
                                                               seed=int(cfg.seed)))
     elif keyframes > 0:
-        raise ValueError("starts.store (keyframe starts) needs env=imagination: the sim starts from init states")
+        raise ValueError("starts.store (keyframe starts) needs env=imagination (env.context_starts): the sim "
+                         "starts from init states")
     return starts_fn
 
 
@@ -153,7 +155,7 @@ def _report(cfg: DictConfig, policy_path, tasks: dict, out: dict, hooks: loop.GR
     evals = out["evals"]
     debiaser = hooks.debias.debiaser if hooks.debias is not None else None
     report: dict[str, Any] = {
-        "env": str(cfg.env.name),
+        "env": str(cfg.env.get("name") or cfg.env.get("_target_") or "chunk_env"),
         "policy": str(policy_path),
         "checkpoint": out["checkpoint"],
         "resumed_from": out["resumed_from"],

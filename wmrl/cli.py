@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train-worldmodel": ("train_worldmodel", "train the action-conditioned video world model on an EpisodeStore"),
     "train-critic": ("train_critic", "train the progress-value critic on an EpisodeStore"),
     "evaluate-worldmodel": ("evaluate_worldmodel", "world-model fidelity: PSNR/SSIM per horizon, action following, critic AUROC"),
+    "imagination-check": ("imagination_check", "before GRPO: a policy's imagined rollouts replayed in the sim (does imagination reward what works?)"),
     "post-train": ("post_train", "GRPO post-training of a policy in imagination (env=imagination) or in the sim (env=sim)"),
     "robot": ("robot", "MuJoCo arm node: plays the robot in real time for the robot bridge"),
     "serve": ("serve", "policy server for the robot bridge"),

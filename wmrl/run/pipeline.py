@@ -30,6 +30,7 @@ directories to remove (it never overwrites results).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,50 +101,6 @@ def _eval_policy(policy_path: Path, cfg: DictConfig, tasks: dict, suite, out_dir
     return r
 
 
-def _imagination_check(c: DictConfig, gcfg: DictConfig, bc_ckpt: Path, tasks: dict, suite) -> dict:
-    """Before GRPO: does this run's imagination rank the BC policy's rollouts (GRPO's RL sampler or
-    its latent-noise steering, group size and horizon, GRPO's first train init states) like the sim? See
-    :func:`wmrl.fidelity.replay_check`."""
-    from wmrl.fidelity import replay_check
-    from wmrl.rl.starts import ContextStarts, InitStateStarts
-    from wmrl.run.builders import (
-        load_policy,
-        make_imagination_env,
-        make_sim_env,
-        rl_policy,
-        train_n_init,
-    )
-
-    policy, policy_cfg = load_policy(bc_ckpt, str(c.device))
-    policy, _, rl_sampler = rl_policy(policy, policy_cfg, gcfg, str(c.device))
-    policy.eval()
-    if rl_sampler is not None:
-        policy.sampler = rl_sampler
-    g = int(gcfg.grpo.group_size)
-    starts = InitStateStarts(tasks, n_init=train_n_init(gcfg.starts, suite, tasks), per_task=int(c.starts_per_task),
-                             split="train", seed=int(c.seed))(0)
-    sim_env = make_sim_env(int(c.num_envs), suite=suite)        # renders the context frames, then replays
-    starts = ContextStarts(None, sim_env).contextualize(starts)
-    kw = to_container(gcfg.env.get("imagination")) or {}
-    imag = make_imagination_env(str(gcfg.env.world_model), str(gcfg.env.critic), len(starts) * g, seed=int(c.seed),
-                                device=str(c.device), **kw)
-    r = replay_check(imag, sim_env, policy, starts, g, int(gcfg.grpo.max_chunks),
-                     generator=torch.Generator().manual_seed(int(c.seed)), progress=True)
-    r["sampler"] = repr(policy.sampler)  # the RL sampler, or the latent-noise steering's
-    acc_s = "n/a (no group with both outcomes in the sim)" if r["pair_accuracy"] is None else f"{r['pair_accuracy']:.2f} (0.5 = chance)"
-    log.info("imagination check: imagined success %.3f, the same actions replayed in the sim %.3f; within-group "
-             "pair accuracy %s, %d/%d groups mixed in imagination, %d in the sim",
-             r["imagined_success"], r["replayed_success"], acc_s, r["mixed_groups_imagined"],
-             r["groups"], r["mixed_groups_real"])
-    acc, prec = r["pair_accuracy"], r["precision"]
-    if (acc is not None and acc < 0.6) or (prec is not None and prec < 0.5):
-        log.warning("imagination check: the world model and critic reward actions that fail in the sim (pair "
-                    "accuracy %s, precision of imagined successes %s); GRPO in imagination is unlikely to improve "
-                    "real success. Train the world model longer or on more episodes (stages.worldmodel), or "
-                    "compare with env=sim (wmrl bench grpo)", acc, prec)
-    return r
-
-
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     """The main job (see module docstring). Returns the report: ``stages`` (wall time per stage),
     ``before`` / ``after`` (success per task with CIs), ``success_gain``, paths of plots, videos and
@@ -164,112 +121,160 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         raise
 
 
-def _run(cfg: DictConfig, ctx: RunContext) -> dict:
-    """:func:`run` with the preset applied and the stage settings checked."""
+@dataclass
+class _Job:
+    """What every stage of one pipeline run shares."""
+
+    cfg: DictConfig
+    ctx: RunContext
+    stages: Stages
+    suite: Any
+    suite_cfg: dict
+    tasks: dict[str, str]
+    common: dict[str, Any]
+
+    @property
+    def out(self) -> Path:
+        return self.ctx.out_dir
+
+    def config(self, stage: str, overrides: dict) -> DictConfig:
+        """The stage's entry-point config (``STAGE_CONFIGS``) with the pipeline's groups and ``overrides``."""
+        name, always = STAGE_CONFIGS[stage]
+        groups = self.cfg.get("stage_groups") or {}
+        return compose_stage_config(name, overrides, groups=always + [str(x) for x in (groups.get(stage) or [])])
+
+    def run_entry(self, stage: str, cfg: DictConfig, module: str | None = None) -> dict:
+        """Run stage ``stage`` as the ``run()`` of its entry point (``module``, else ``STAGE_CONFIGS``'s)."""
+        return self.stages.run(stage, cfg, module_run(module or STAGE_CONFIGS[stage][0]))
+
+
+def _start(cfg: DictConfig, ctx: RunContext) -> tuple[_Job, dict | None]:
+    """Save the config, build the suite, announce the estimate; the shared state of every stage."""
     saved = OmegaConf.to_container(cfg, resolve=True)
     saved.pop("presets", None)           # the applied one is merged in (and named by `preset`)
     (ctx.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
-    from wmrl.run.builders import make_sim_env
-
     suite_cfg = to_container(cfg.suite)
     suite_cfg["tasks"] = list(cfg.tasks)
     suite = hydra.utils.instantiate(suite_cfg)
     tasks = {t: suite.instruction(t) for t in suite.task_names}
     estimate = machine.announce_estimate(cfg, suite) if cfg.get("estimate", True) else None
-    check_fidelity = int((cfg.get("imagination_check") or {}).get("starts_per_task", 0) or 0) > 0
     stages = Stages(ctx, resume=bool(cfg.resume),
-                    order=[n for n in STAGE_ORDER if n != "imagination_check" or check_fidelity])
-    out = ctx.out_dir
-    task_list = list(tasks)
-    seed = int(cfg.seed)
+                    order=[n for n in STAGE_ORDER if n != "imagination_check" or _checks_fidelity(cfg)])
     # threads chosen once, at the start (wmrl.run.common.resolve_threads), for every stage: a stage that
     # chose again could see the previous stage's workers still exiting and change the thread count
-    common = {"seed": seed, "num_threads": int(getattr(ctx, "num_threads", 0) or 0), "device": cfg.device}
-    S = cfg.stages
-    G = cfg.get("stage_groups") or {}
+    common = {"seed": int(cfg.seed), "num_threads": int(getattr(ctx, "num_threads", 0) or 0), "device": cfg.device}
+    return _Job(cfg, ctx, stages, suite, suite_cfg, tasks, common), estimate
 
-    def stage_config(stage: str, overrides: dict) -> DictConfig:   # the stage's entry-point config + overrides
-        name, always = STAGE_CONFIGS[stage]
-        return compose_stage_config(name, overrides, groups=always + [str(x) for x in (G.get(stage) or [])])
 
-    def entry(stage: str):   # the run() of the entry point whose config stage_config composed
-        return module_run(STAGE_CONFIGS[stage][0])
+def _checks_fidelity(cfg: DictConfig) -> bool:
+    return int((cfg.get("imagination_check") or {}).get("starts_per_task", 0) or 0) > 0
 
-    # 1. noisy scripted demos
+
+def _bc_rollouts(job: _Job, demos: Path, bc_ckpt: Path, scfg: DictConfig) -> dict:
+    """Stage 3: real-sim rollouts of the BC policy from train init states, stored beside the demos."""
+    from wmrl.kernel.storage import EpisodeStore
+    from wmrl.run.builders import load_policy, make_sim_env, using_sampler
+
+    out, seed, task_list = job.out / "bc_rollouts", int(job.cfg.seed), list(job.tasks)
+    rollouts, mixed = out / "rollouts.zarr", out / "demos_and_rollouts.zarr"
+    policy, _ = load_policy(bc_ckpt, job.cfg.device)
+    policy.eval()
+    env = make_sim_env(int(scfg.num_envs), suite=job.suite)
+    n = int(scfg.episodes_per_task)
+    rng = np.random.default_rng([seed, 3])
+    starts = [Start(task_name=t, instruction=job.tasks[t], init_index=int(k), split="train")
+              for t in task_list for k in rng.choice(int(scfg.n_init), size=n, replace=False)]
+    sampler = hydra.utils.instantiate(scfg.sampler) if scfg.get("sampler") else None
+    with using_sampler(policy, sampler):
+        eps = record_episodes(env, policy, starts, int(scfg.max_steps),
+                              generator=torch.Generator().manual_seed(seed + 5), source="bc_rollout", progress=True)
+    st = store_like(EpisodeStore.open(demos, "r"), rollouts, "bc_rollout")
+    for e in eps:
+        st.append(e)
+    merge_stores([demos, rollouts], mixed)
+    succ = {t: float(np.mean([e.success for e in eps if e.task_name == t])) for t in task_list}
+    return {"episodes": len(eps), "success_per_task": succ, "store": str(rollouts), "mixed_store": str(mixed)}
+
+
+def _learn_stages(job: _Job) -> dict[str, Any]:
+    """Stages 1-4: demos, BC, BC rollouts, world model and critic. Returns their paths and the
+    world model's report."""
+    S, common, out = job.cfg.stages, job.common, job.out
     demos = out / "collect" / "demos.zarr"
-    c = stage_config("collect", {**common, **to_container(S.collect), "suite": suite_cfg, "tasks": task_list,
-                                 "out": str(demos)})
-    stages.run("collect", c, entry("collect"))
-
-    # 2. behaviour cloning
-    c = stage_config("bc", {**common, **to_container(S.bc), "store": str(demos)})
-    stages.run("bc", c, entry("bc"))
+    job.run_entry("collect", job.config("collect", {**common, **to_container(S.collect), "suite": job.suite_cfg,
+                                                    "tasks": list(job.tasks), "out": str(demos)}))
+    job.run_entry("bc", job.config("bc", {**common, **to_container(S.bc), "store": str(demos)}))
     bc_ckpt = out / "bc" / "checkpoints" / "last"
-
-    # 3. real-sim rollouts of the BC policy from train init states
-    rollouts = out / "bc_rollouts" / "rollouts.zarr"
     mixed = out / "bc_rollouts" / "demos_and_rollouts.zarr"
-
-    def _bc_rollouts(scfg, sctx):
-        from wmrl.kernel.storage import EpisodeStore
-        from wmrl.run.builders import load_policy, using_sampler
-
-        policy, _ = load_policy(bc_ckpt, cfg.device)
-        policy.eval()
-        env = make_sim_env(int(scfg.num_envs), suite=suite)
-        n = int(scfg.episodes_per_task)
-        rng = np.random.default_rng([seed, 3])
-        starts = [Start(task_name=t, instruction=tasks[t], init_index=int(k), split="train")
-                  for t in task_list for k in rng.choice(int(scfg.n_init), size=n, replace=False)]
-        sampler = hydra.utils.instantiate(scfg.sampler) if scfg.get("sampler") else None
-        with using_sampler(policy, sampler):
-            eps = record_episodes(env, policy, starts, int(scfg.max_steps),
-                                  generator=torch.Generator().manual_seed(seed + 5), source="bc_rollout", progress=True)
-        st = store_like(EpisodeStore.open(demos, "r"), rollouts, "bc_rollout")
-        for e in eps:
-            st.append(e)
-        merge_stores([demos, rollouts], mixed)
-        succ = {t: float(np.mean([e.success for e in eps if e.task_name == t])) for t in task_list}
-        return {"episodes": len(eps), "success_per_task": succ, "store": str(rollouts), "mixed_store": str(mixed)}
-
-    stages.run("bc_rollouts", OmegaConf.create({**common, **to_container(S.bc_rollouts)}), _bc_rollouts)
-
-    # 4. world model + critic on demos + rollouts
-    c = stage_config("worldmodel", {**common, **to_container(S.worldmodel), "store": str(mixed)})
-    wm_rep = stages.run("worldmodel", c, entry("worldmodel"))
+    job.stages.run("bc_rollouts", OmegaConf.create({**common, **to_container(S.bc_rollouts)}),
+                   lambda scfg, sctx: _bc_rollouts(job, demos, bc_ckpt, scfg))
+    wm_rep = job.run_entry("worldmodel", job.config("worldmodel", {**common, **to_container(S.worldmodel),
+                                                                   "store": str(mixed)}))
     wm_ckpt = out / "worldmodel" / "checkpoints" / "last"
     critic_over = to_container(S.critic) or {}
     critic_over["imagined"] = {**(critic_over.get("imagined") or {}), "world_model": str(wm_ckpt)}
-    c = stage_config("critic", {**common, **critic_over, "store": str(mixed)})
-    stages.run("critic", c, entry("critic"))
-    critic_ckpt = out / "critic" / "checkpoints" / "last"
+    job.run_entry("critic", job.config("critic", {**common, **critic_over, "store": str(mixed)}))
+    return {"bc": bc_ckpt, "mixed": mixed, "worldmodel": wm_ckpt, "critic": out / "critic" / "checkpoints" / "last",
+            "wm_report": wm_rep}
 
-    # 5-8. imagination check, real-sim evaluation before, GRPO in imagination, evaluation after
-    gcfg = stage_config(
-        "grpo",
-        {**common, **to_container(S.grpo), "checkpoint": str(bc_ckpt), "tasks": task_list, "suite": suite_cfg,
-         "starts": {**(to_container(S.grpo.get("starts", {})) or {}), "store": str(mixed)},   # keyframes: demos + rollouts
-         "refresh": {**(to_container(S.grpo.get("refresh", {})) or {}), "store": str(mixed)},  # replay: the world model's data
-         "env": {**to_container(S.grpo.get("env", {}) or {}), "world_model": str(wm_ckpt), "critic": str(critic_ckpt)}})
-    fid = None
-    if check_fidelity:   # its config also holds what it takes from GRPO's (compared when the stage is reused)
-        used = {"rl_sampler": gcfg.get("rl_sampler"), "steer": gcfg.get("steer"), "group_size": gcfg.grpo.group_size,
-                "max_chunks": gcfg.grpo.max_chunks, "n_init": gcfg.starts.get("n_init"),
-                "env": {k: gcfg.env.get(k) for k in ("world_model", "critic", "imagination")}}
-        fid = stages.run("imagination_check",
-                         OmegaConf.create({**common, **to_container(cfg.imagination_check), "grpo": to_container(used)}),
-                         lambda c_, x_: _imagination_check(c_, gcfg, bc_ckpt, tasks, suite))
-    nv = int(cfg.videos.per_task)
-    ev = {**common, "suite": suite_cfg, "tasks": task_list, "evaluation": to_container(cfg.evaluation),
+
+def _grpo_config(job: _Job, paths: dict) -> DictConfig:
+    S = job.cfg.stages
+    return job.config("grpo", {
+        **job.common, **to_container(S.grpo), "checkpoint": str(paths["bc"]), "tasks": list(job.tasks),
+        "suite": job.suite_cfg,
+        "starts": {**(to_container(S.grpo.get("starts", {})) or {}), "store": str(paths["mixed"])},   # keyframes: demos + rollouts
+        "refresh": {**(to_container(S.grpo.get("refresh", {})) or {}), "store": str(paths["mixed"])},  # replay: the world model's data
+        "env": {**to_container(S.grpo.get("env", {}) or {}), "world_model": str(paths["worldmodel"]),
+                "critic": str(paths["critic"])}})
+
+
+def _imagination_check(job: _Job, gcfg: DictConfig, bc_ckpt: Path) -> dict | None:
+    """Stage 5 (``wmrl imagination-check``), with what it takes from GRPO's config."""
+    if not _checks_fidelity(job.cfg):
+        return None
+    used = {"rl_sampler": gcfg.get("rl_sampler"), "steer": gcfg.get("steer"), "group_size": gcfg.grpo.group_size,
+            "max_chunks": gcfg.grpo.max_chunks, "n_init": gcfg.starts.get("n_init"),
+            "env": {k: gcfg.env.get(k) for k in ("world_model", "critic", "imagination")}}
+    c = OmegaConf.create({**job.common, **to_container(job.cfg.imagination_check), "grpo": to_container(used),
+                          "checkpoint": str(bc_ckpt), "suite": job.suite_cfg, "tasks": list(job.tasks)})
+    return job.run_entry("imagination_check", c, module="imagination_check")
+
+
+def _policy_stages(job: _Job, paths: dict) -> dict[str, Any]:
+    """Stages 5-8: imagination check, real-sim evaluation before, GRPO in imagination, evaluation after."""
+    gcfg = _grpo_config(job, paths)
+    fid = _imagination_check(job, gcfg, paths["bc"])
+    cfg, nv = job.cfg, int(job.cfg.videos.per_task)
+    ev = {**job.common, "suite": job.suite_cfg, "tasks": list(job.tasks), "evaluation": to_container(cfg.evaluation),
           "eval_sampler": to_container(cfg.get("eval_sampler")), "videos_per_task": nv}
-    before = stages.run("eval_before", OmegaConf.create({**ev, "checkpoint": str(bc_ckpt)}),
-                        lambda c_, x_: _eval_policy(bc_ckpt, cfg, tasks, suite, x_.out_dir, nv))
-    grep = stages.run("grpo", gcfg, entry("grpo"))
-    grpo_ckpt = out / "grpo" / "checkpoints" / "last"
-    after = stages.run("eval_after", OmegaConf.create({**ev, "checkpoint": str(grpo_ckpt)}),
-                       lambda c_, x_: _eval_policy(grpo_ckpt, cfg, tasks, suite, x_.out_dir, nv))
+    bc_ckpt, grpo_ckpt = paths["bc"], job.out / "grpo" / "checkpoints" / "last"
+    before = job.stages.run("eval_before", OmegaConf.create({**ev, "checkpoint": str(bc_ckpt)}),
+                            lambda c_, x_: _eval_policy(bc_ckpt, cfg, job.tasks, job.suite, x_.out_dir, nv))
+    grep = job.run_entry("grpo", gcfg)
+    after = job.stages.run("eval_after", OmegaConf.create({**ev, "checkpoint": str(grpo_ckpt)}),
+                           lambda c_, x_: _eval_policy(grpo_ckpt, cfg, job.tasks, job.suite, x_.out_dir, nv))
+    return {"fid": fid, "before": before, "grpo": grep, "after": after, "grpo_ckpt": grpo_ckpt}
 
-    # 8. plots, videos, report
+
+def _run(cfg: DictConfig, ctx: RunContext) -> dict:
+    """:func:`run` with the preset applied and the stage settings checked."""
+    job, estimate = _start(cfg, ctx)
+    paths = _learn_stages(job)
+    res = _policy_stages(job, paths)
+    report = _report(job, paths, res)
+    report["estimate"] = machine.compare_estimate(estimate, report["total_wall_time_s"])
+    if not report["comparable_with_reference"]:
+        log.warning("NOT COMPARABLE with the reference figures: %s", "; ".join(report["not_comparable_because"]))
+    log.info("success before %.3f -> after %.3f (gain %+.3f)", res["before"]["success"], res["after"]["success"],
+             report["success_gain"])
+    return report
+
+
+def _report(job: _Job, paths: dict, res: dict) -> dict[str, Any]:
+    """Stage 9: plots, videos and ``report.json``."""
+    cfg, out, stages, task_list = job.cfg, job.out, job.stages, list(job.tasks)
+    before, after, grep = res["before"], res["after"], res["grpo"]
     plots = {"success_before_after": str(plot_before_after(before, after, out / "success_before_after.png")),
              "imagined_vs_real": str(plot_imagined_vs_real(grep.get("history", []), real_curve(grep, before, after),
                                                             out / "imagined_vs_real.png"))}
@@ -278,9 +283,10 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
     per_task = {t: {"before": before["per_task"][t]["success"], "before_ci95": before["per_task"][t]["ci95"],
                     "after": after["per_task"][t]["success"], "after_ci95": after["per_task"][t]["ci95"],
                     "gain": after["per_task"][t]["success"] - before["per_task"][t]["success"]} for t in task_list}
+    history = grep.get("history") or [{}]
     report: dict[str, Any] = {
         "preset": cfg.get("preset"),
-        "seed": seed,
+        "seed": int(cfg.seed),
         "tasks": task_list,
         "episodes_per_task": int(cfg.evaluation.episodes_per_task),
         "stages": {k: {"wall_time_s": v} for k, v in stages.wall.items()},
@@ -293,22 +299,18 @@ def _run(cfg: DictConfig, ctx: RunContext) -> dict:
         "per_task": per_task,
         "grpo": {"iterations": grep.get("iterations"), "mitigations": grep.get("mitigations"),
                  "refresh": grep.get("refresh"), "steer": grep.get("steer"),
-                 "imagined_success_first": (grep.get("history") or [{}])[0].get("success_rate"),
-                 "imagined_success_last": (grep.get("history") or [{}])[-1].get("success_rate")},
-        "imagination_check": fid,
-        "worldmodel_horizons": wm_rep.get("heldout_horizons"),   # held-out fidelity 1..N chunks ahead (true actions)
-        "checkpoints": {"bc": str(bc_ckpt), "worldmodel": str(wm_ckpt), "critic": str(critic_ckpt),
-                        "grpo": str(grpo_ckpt)},
+                 "imagined_success_first": history[0].get("success_rate"),
+                 "imagined_success_last": history[-1].get("success_rate")},
+        "imagination_check": res["fid"],
+        "worldmodel_horizons": paths["wm_report"].get("heldout_horizons"),   # held-out fidelity 1..N chunks ahead (true actions)
+        "checkpoints": {"bc": str(paths["bc"]), "worldmodel": str(paths["worldmodel"]), "critic": str(paths["critic"]),
+                        "grpo": str(res["grpo_ckpt"])},
         "plots": plots,
         "videos": videos,
     }
     report.update(machine.budget_summary(stages.reports))
     report["precision"] = {n: stages.reports.get(n, {}).get("precision") for n in ("bc", "worldmodel", "critic", "grpo")}
-    report["threads"] = {"num_threads": common["num_threads"], "reason": getattr(ctx, "threads_reason", None)}
-    report["estimate"] = machine.compare_estimate(estimate, report["total_wall_time_s"])
-    if not report["comparable_with_reference"]:
-        log.warning("NOT COMPARABLE with the reference figures: %s", "; ".join(report["not_comparable_because"]))
-    log.info("success before %.3f -> after %.3f (gain %+.3f)", before["success"], after["success"], report["success_gain"])
+    report["threads"] = {"num_threads": job.common["num_threads"], "reason": getattr(job.ctx, "threads_reason", None)}
     return report
 
 

@@ -80,6 +80,7 @@ class RandomChunkPolicy(torch.nn.Module):
 
     chunk_size = 4
     action_dim = 7
+    supports_rtc = False
 
     def __init__(self):
         super().__init__()

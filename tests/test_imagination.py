@@ -21,6 +21,7 @@ class CounterWorldModel:
 
     chunk_size = 4
     action_dim = 7
+    context_frames = 1
 
     def init(self, context: Obs) -> Obs:
         return context
@@ -41,6 +42,9 @@ class LevelCritic:
 
     def success_prob(self, obs: Obs) -> torch.Tensor:
         return (obs.images["agentview"][:, 0, 0, 0] >= 100).float()
+
+    def evaluate(self, obs: Obs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.progress(obs), self.success_prob(obs)
 
 
 def level_start(level: int, task: str = "t") -> Start:

@@ -29,15 +29,29 @@ import json
 import logging
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from wmrl.kernel.interfaces import Policy
 from wmrl.rl.evaluate import per_task_outcomes, success_summary
 
 log = logging.getLogger("wmrl.evaluation")
+
+
+@runtime_checkable
+class EpisodeActor(Protocol):
+    """What the episode runner drives (see the module docstring): :class:`PolicyActor`, the suite's
+    scripted expert."""
+
+    chunk_size: int
+    needs_images: bool
+
+    def begin(self, slot: int, task_name: str, seed: int) -> None: ...
+
+    def act(self, env: Any, obs: Any, active: Any) -> torch.Tensor: ...
 
 
 def episode_seed(seed: int, task: str, j: int) -> int:
@@ -59,9 +73,9 @@ class PolicyActor:
     needs_images = True
 
     def __init__(self, policy, per_episode_sampling: bool = True, device: str | torch.device = "cpu"):
-        for attr in ("chunk_size", "action_dim", "sample"):
-            if not hasattr(policy, attr):
-                raise TypeError(f"{type(policy).__name__} is not a Policy: it has no {attr!r}")
+        if not isinstance(policy, Policy):
+            raise TypeError(f"{type(policy).__name__} is not a Policy (wmrl.kernel.interfaces.Policy: chunk_size, "
+                            "action_dim, supports_rtc, sample, log_prob)")
         self.policy = policy
         self.chunk_size = int(policy.chunk_size)
         self.per_episode = bool(per_episode_sampling)
@@ -109,7 +123,7 @@ def _run_queue(actor, suite, queue: list[tuple[str, int]], B: int, seed: int, ou
                videos_per_task: int, video_camera: str, video_size, fps: int, progress: bool,
                desc: str = "evaluate", position: int = 0) -> dict[tuple[str, int], dict]:
     """Run the episodes ``queue`` ``[(task, j)]`` on ``B`` slots; returns ``{(task, j): row}``."""
-    cams = None if getattr(actor, "needs_images", True) else ()
+    cams = None if actor.needs_images else ()
     env = suite.make_env(B, auto_reset=False, cameras=cams)
     slot_ep: list[tuple | None] = [None] * B
     slot_reward = np.zeros(B)
@@ -169,9 +183,12 @@ def _run_queue(actor, suite, queue: list[tuple[str, int]], B: int, seed: int, ou
 
 def _as_actor(policy_or_actor, per_episode_sampling: bool, device):
     """An actor as is; a ``Policy`` wrapped in :class:`PolicyActor`."""
-    if hasattr(policy_or_actor, "begin"):
+    if isinstance(policy_or_actor, Policy):
+        return PolicyActor(policy_or_actor, per_episode_sampling=per_episode_sampling, device=device)
+    if isinstance(policy_or_actor, EpisodeActor):
         return policy_or_actor
-    return PolicyActor(policy_or_actor, per_episode_sampling=per_episode_sampling, device=device)
+    raise TypeError(f"{type(policy_or_actor).__name__} is not a Policy (wmrl.kernel.interfaces.Policy) nor an "
+                    "episode actor (chunk_size, needs_images, begin, act)")
 
 
 def _worker(make_actor, make_suite, queue, B, seed, out, videos_per_task, video_camera, video_size, fps,
@@ -288,7 +305,7 @@ def _report(table: list[dict], task_names: list[str], suite, episodes_per_task: 
                     "episodes": s["n"], "mean_task_success_rate": float(np.mean([v["success_rate"] for v in per_task.values()]))},
         "episodes_per_task": episodes_per_task, "batch_size": B, "seed": seed,
         "episodes_sha256": digest,
-        "suite": suite.describe() if hasattr(suite, "describe") else None,
+        "suite": suite.describe(),
         "episodes": table,
     }
 

@@ -76,8 +76,8 @@ class ImaginationEnv:
         self.world_model = world_model
         self.critic = critic
         self.num_envs = int(num_envs)
-        self.action_dim = int(action_dim if action_dim is not None else getattr(world_model, "action_dim", 7))
-        self.chunk_size = getattr(world_model, "chunk_size", None)
+        self.action_dim = int(action_dim if action_dim is not None else world_model.action_dim)
+        self.chunk_size = world_model.chunk_size
         self.max_chunks = int(max_chunks)
         self.success_threshold = float(success_threshold)
         if int(success_patience) < 1:
@@ -98,10 +98,7 @@ class ImaginationEnv:
 
     # ---------------------------------------------------------------- critic
     def _score(self, obs: Obs) -> tuple[torch.Tensor, torch.Tensor]:
-        if hasattr(self.critic, "evaluate"):
-            p, s = self.critic.evaluate(obs)
-        else:
-            p, s = self.critic.progress(obs), self.critic.success_prob(obs)
+        p, s = self.critic.evaluate(obs)
         return p.detach().float().cpu(), s.detach().float().cpu()
 
     # ---------------------------------------------------------------- resets

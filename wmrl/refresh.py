@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from wmrl.imagination import ImaginationEnv
 from wmrl.kernel.types import Episode, Start
 from wmrl.rl.rollout import record_episodes
 from wmrl.rl.starts import InitStateStarts
@@ -94,9 +95,8 @@ class WorldModelRefresher:
                  seed: int = 0, progress: bool = True, also_update: Sequence = ()):
         if int(episodes_per_task) < 1:
             raise ValueError(f"refresh.episodes_per_task must be >= 1, got {episodes_per_task}")
-        for k in ("world_model", "critic"):
-            if getattr(env, k, None) is None:
-                raise ValueError(f"world-model refresh needs an ImaginationEnv (env has no {k}); use env=imagination")
+        if not isinstance(env, ImaginationEnv):
+            raise ValueError(f"world-model refresh needs an ImaginationEnv (got {type(env).__name__}); use env=imagination")
         self.env, self.sim_env, self.tasks = env, sim_env, dict(tasks)
         self.out_dir = Path(out_dir)
         self.n_init, self.episodes_per_task, self.max_steps = int(n_init), int(episodes_per_task), int(max_steps)
@@ -147,13 +147,13 @@ class WorldModelRefresher:
 
         t0 = time.time()
         rdir = self.out_dir / f"round_{int(iteration):04d}"
-        was_training = getattr(policy, "training", False)
-        if hasattr(policy, "eval"):
+        was_training = isinstance(policy, torch.nn.Module) and policy.training
+        if isinstance(policy, torch.nn.Module):
             policy.eval()
         eps = record_episodes(self.sim_env, policy, self.starts(iteration), self.max_steps,
                               generator=torch.Generator().manual_seed(self.seed + 31 * int(iteration)),
                               source="grpo_refresh", progress=self.progress, desc="refresh rollouts")
-        if was_training and hasattr(policy, "train"):
+        if was_training:
             policy.train()
         t_roll = time.time() - t0
         self._store_round(eps, rdir / "rollouts.zarr")

@@ -73,7 +73,7 @@ def grpo_iteration(env: ChunkEnv, policy: Policy, optimizer: torch.optim.Optimiz
     Returns diagnostics: ``reward_*``, ``success_rate`` (as the env reports it), ``adv_*``,
     ``valid_group_frac``, ``n_transitions``, the mitigation statistics and the update statistics.
     """
-    if hasattr(policy, "eval"):
+    if isinstance(policy, torch.nn.Module):
         policy.eval()  # type: ignore[attr-defined]  # no dropout: ratio is exactly 1 at unchanged params
     rollouts = collect_groups(env, policy, starts, cfg.group_size, cfg.max_chunks, generator=generator, progress=progress)
     rewards, success, gids = rollout_returns(rollouts, cfg.reward_mode, cfg.success_bonus)

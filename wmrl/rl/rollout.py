@@ -22,7 +22,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 import torch
 
-from wmrl.kernel.interfaces import ChunkEnv, Policy
+from wmrl.kernel.interfaces import ChunkEnv, Policy, SimStateEnv
 from wmrl.kernel.types import Episode, Obs, PolicySample, Rollout, Start, StepResult
 
 T = TypeVar("T")
@@ -221,7 +221,7 @@ class EpisodeRecorder:
         if self.buf is None:
             self.buf = [{"images": {k: [] for k in obs.images}, "proprio": [], "actions": [], "rewards": [],
                          "states": []} for _ in range(self.n)]
-        has_state = hasattr(env, "sim_state")
+        has_state = isinstance(env, SimStateEnv)
         for j in alive[:self.n].nonzero().flatten().tolist():
             d = self.buf[j]
             for k, v in obs.images.items():

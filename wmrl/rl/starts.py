@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from wmrl.kernel.interfaces import SimStateEnv
 from wmrl.kernel.types import Obs, Start
 from wmrl.rl.rollout import batched_starts
 
@@ -107,7 +108,7 @@ class ContextStarts:
         for i, padded in zip(range(0, len(todo), b), batched_starts(todo, b)):
             obs = self.sim_env.reset(padded)
             for j, s in enumerate(todo[i:i + b]):
-                state = self.sim_env.sim_state(j) if hasattr(self.sim_env, "sim_state") else None
+                state = self.sim_env.sim_state(j) if isinstance(self.sim_env, SimStateEnv) else None
                 self.cache[(s.task_name, s.split, s.init_index)] = (obs.index([j]), state)
         out = []
         for s in starts:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from wmrl.kernel.interfaces import Policy
+from wmrl.kernel.interfaces import FlowPolicy, Policy
 from wmrl.kernel.types import Obs, PolicySample, Rollout
 from wmrl.rl.losses import clipped_surrogate_loss, kl_to_reference
 from wmrl.rl.rollout import cat_samples
@@ -153,7 +153,7 @@ def _fpo_draws(batch: TransitionBatch, n: int, generator: torch.Generator | None
 def check_policy(policy: Policy, cfg: GRPOConfig) -> None:
     """Raise ``ValueError`` when ``policy`` cannot give the likelihood ``cfg.ratio`` needs (``"fpo"``:
     a ``flow_matching_loss``), so that a run fails before its first rollout."""
-    if cfg.ratio == "fpo" and getattr(policy, "flow_matching_loss", None) is None:
+    if cfg.ratio == "fpo" and not isinstance(policy, FlowPolicy):
         raise ValueError(f"ratio='fpo' needs a flow-matching policy with flow_matching_loss(obs, sample, t, eps); "
                          f"{type(policy).__name__} has none (use ratio=per_step or chain)")
 

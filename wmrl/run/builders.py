@@ -18,6 +18,9 @@ from typing import Any
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from wmrl.kernel.interfaces import SamplerPolicy
 
 
 def task_instructions(tasks: Any) -> dict[str, str]:
@@ -50,9 +53,10 @@ def precision_report(env, policy) -> dict:
 
     out = {"policy": Precision.fixed_fp32(next(policy.parameters()).device,
                                           "GRPO: policy log-probs and ratios are computed in fp32").as_dict()}
-    wm = getattr(env, "world_model", None)
-    if wm is not None and callable(getattr(wm, "precision", None)):
-        out["world_model"] = wm.precision().as_dict()
+    from wmrl.imagination import ImaginationEnv
+
+    if isinstance(env, ImaginationEnv) and callable(getattr(env.world_model, "precision", None)):
+        out["world_model"] = env.world_model.precision().as_dict()
     return out
 
 
@@ -69,7 +73,7 @@ def make_imagination_env(world_model: str, critic: str, num_envs: int, seed: int
 @contextmanager
 def using_sampler(policy, sampler):
     """Temporarily replace ``policy.sampler`` (no-op when ``sampler`` is None or the policy has none)."""
-    if sampler is None or not hasattr(policy, "sampler"):
+    if sampler is None or not isinstance(policy, SamplerPolicy):
         yield policy
         return
     old = policy.sampler
@@ -259,7 +263,7 @@ def build_actor(checkpoint: str, noise: float, suite_cfg: dict, device: str = "c
     from wmrl.kernel.checkpoint import load_checkpoint
 
     policy = load_checkpoint(checkpoint, map_location=device)
-    if hasattr(policy, "eval"):
+    if isinstance(policy, nn.Module):
         policy.eval()
     if sampler_cfg:
         policy.sampler = instantiate(sampler_cfg)

@@ -20,7 +20,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from wmrl.kernel.interfaces import RandomStreams
+from wmrl.kernel.interfaces import RandomStreams, SamplerPolicy
 from wmrl.rl import loop
 from wmrl.rl.debias import OnlineDebiaser, real_rollout_fn_for
 from wmrl.rl.starts import ContextStarts, InitStateStarts, KeyframeStarts, MixedStarts
@@ -84,9 +84,9 @@ def _policy(cfg: DictConfig, policy_path):
     policy, policy_cfg = load_policy(policy_path, cfg.device)
     policy, policy_cfg, rl_sampler = rl_policy(policy, policy_cfg, cfg, str(cfg.device))
     eval_sampler = instantiate(cfg.eval_sampler) if cfg.get("eval_sampler") else None
-    if eval_sampler is None and hasattr(policy, "sampler"):
+    if eval_sampler is None and isinstance(policy, SamplerPolicy):
         eval_sampler = policy.sampler  # the checkpoint's own (deterministic) sampler
-    if rl_sampler is not None and hasattr(policy, "sampler"):
+    if rl_sampler is not None and isinstance(policy, SamplerPolicy):
         policy.sampler = rl_sampler
     return policy, policy_cfg, eval_sampler
 

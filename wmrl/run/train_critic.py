@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from wmrl.run.common import RunContext, run_main
-from wmrl.run.train_worldmodel import check_image_size, load_splits
+from wmrl.run.data import check_image_size, load_splits
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:

@@ -22,29 +22,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from wmrl.run.common import RunContext, run_main
+from wmrl.run.data import check_image_size, load_splits
 
 log = logging.getLogger("wmrl")
-
-
-def load_splits(store_path, heldout_every: int, cameras):
-    """(train, heldout) ``EpisodeFrames`` of an EpisodeStore, split by episode index."""
-    from wmrl.kernel.storage import EpisodeStore
-    from worldmodels.data import EpisodeFrames, heldout_episodes
-
-    store = EpisodeStore.open(store_path, mode="r")
-    missing = [c for c in cameras if c not in store.cameras]
-    if missing:
-        raise ValueError(f"the model wants cameras {missing} that the store {store_path} lacks "
-                         f"(it has {list(store.cameras)}); set worldmodel.cameras / critic.cameras")
-    tr, ho = heldout_episodes(len(store), int(heldout_every))
-    return EpisodeFrames.from_store(store, tr, cameras), EpisodeFrames.from_store(store, ho, cameras), store
-
-
-def check_image_size(model_size, data) -> None:
-    size = tuple(model_size) if not isinstance(model_size, int) else (model_size, model_size)
-    if size != data.image_size:
-        raise ValueError(f"the store's images are {data.image_size}, the config says image_size={size}; "
-                         "set image_size to match")
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:

@@ -1,14 +1,18 @@
-"""Behaviour cloning of a flow-matching policy on windows of an ``EpisodeStore`` (a short linear loop).
+"""Behaviour cloning of a flow-matching policy on windows of an ``EpisodeStore``, as a task of the one
+trainer (``wmrl.kernel.trainer``).
 
 ``train_bc(policy, dataset, cfg, out_dir) -> dict`` is called by ``wmrl train-policy`` and by the
 pipeline. The policy must provide ``loss(batch, generator) -> (loss, metrics)`` (e.g.
 ``FlowVLAPolicy``) and ``init_config`` (its constructor arguments, saved in the checkpoint).
+:class:`BCTask` says how batches are drawn (:func:`_batches`), adds the EMA and the bf16 autocast
+(``wmrl.kernel.precision``); the trainer owns the optimizer, schedule, budget, logging and checkpoints.
 
 Checkpoints (``out_dir/checkpoints/step_<n>`` and ``.../last``) are written with
 ``wmrl.kernel.checkpoint.save_checkpoint`` (``config.yaml`` + ``model.safetensors``, loadable with
 ``wmrl.kernel.checkpoint.load_checkpoint``); when an EMA is kept the EMA weights are the model weights. The
-optimizer state and raw (non-EMA) weights needed to resume go in the checkpoint's
-``extra.safetensors``, the step and loss history in ``meta.json`` (no pickle). ``resume=True`` continues from ``last`` when it exists.
+optimizer state (``opt/<index>/<key>``), raw (non-EMA) weights (``raw.<name>``) and RNG states needed to
+resume go in the checkpoint's ``extra.safetensors``, the step and loss history in ``meta.json`` (no pickle).
+``resume=True`` continues from ``last`` when it exists.
 """
 
 from __future__ import annotations

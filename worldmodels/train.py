@@ -45,8 +45,10 @@ class _WindowTask(TrainTask):
         self.rng.bit_generator.state = meta["rng"]
 
 
-def _budget_s(max_minutes: float | None) -> float | None:
-    return None if max_minutes is None else 60 * max_minutes
+def _fit(task: TrainTask, out_dir: Path, max_minutes: float | None, **cfg) -> Trainer:
+    """Run ``task`` on the one trainer; ``max_minutes`` (``None``: no budget) becomes ``budget_s``."""
+    budget_s = None if max_minutes is None else 60 * max_minutes
+    return Trainer(task, TrainConfig(budget_s=budget_s, **cfg), out_dir).run()
 
 
 def _common_report(tr: Trainer, budget_clock: str) -> dict:
@@ -193,11 +195,10 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
     task = WorldModelTask(model, model_config, train, heldout, np.random.default_rng(seed),
                           torch.Generator().manual_seed(seed), batch_size, p_deterministic, p_pure_noise,
                           video_chunks, out_dir, fit_stats)
-    cfg = TrainConfig(steps=steps, lr=lr, weight_decay=weight_decay, warmup=warmup, grad_clip=grad_clip,
-                      log_every=log_every, eval_every=eval_every, ckpt_every=checkpoint_every,
-                      budget_s=_budget_s(max_minutes), budget_clock=budget_clock, lr_follows_budget=lr_follows_budget,
-                      resume=resume, tensorboard=tensorboard, progress=progress, seed=seed, desc="train world model")
-    tr = Trainer(task, cfg, out_dir).run()
+    tr = _fit(task, out_dir, max_minutes, steps=steps, lr=lr, weight_decay=weight_decay, warmup=warmup,
+              grad_clip=grad_clip, log_every=log_every, eval_every=eval_every, ckpt_every=checkpoint_every,
+              budget_clock=budget_clock, lr_follows_budget=lr_follows_budget, resume=resume, tensorboard=tensorboard,
+              progress=progress, seed=seed, desc="train world model")
     if tr.finished is not None:
         return tr.finished
     report = {**_common_report(tr, budget_clock), "precision": model.precision().as_dict(),
@@ -356,11 +357,10 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
     out_dir = Path(out_dir)
     task = CriticTask(critic, critic_config, train, heldout, np.random.default_rng(seed), batch_size, success_tail,
                       fail_progress, augment, imagined, imagined_fraction, fit_stats)
-    cfg = TrainConfig(steps=steps, lr=lr, weight_decay=weight_decay, warmup=warmup, grad_clip=1.0,
-                      log_every=log_every, eval_every=eval_every, ckpt_every=checkpoint_every,
-                      budget_s=_budget_s(max_minutes), budget_clock=budget_clock, lr_follows_budget=lr_follows_budget,
-                      resume=resume, tensorboard=tensorboard, progress=progress, seed=seed, desc="train critic")
-    tr = Trainer(task, cfg, out_dir).run()
+    tr = _fit(task, out_dir, max_minutes, steps=steps, lr=lr, weight_decay=weight_decay, warmup=warmup,
+              grad_clip=1.0, log_every=log_every, eval_every=eval_every, ckpt_every=checkpoint_every,
+              budget_clock=budget_clock, lr_follows_budget=lr_follows_budget, resume=resume, tensorboard=tensorboard,
+              progress=progress, seed=seed, desc="train critic")
     if tr.finished is not None:
         return tr.finished
     report = {**_common_report(tr, budget_clock),

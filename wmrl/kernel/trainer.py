@@ -311,7 +311,8 @@ class Trainer:
         self.opt.step()
         self.task.after_step()
         self.step += 1
-        return metrics, float(metrics.get("loss", loss.detach())), gnorm, lr
+        value = metrics.get("loss", loss)
+        return metrics, float(value.detach() if isinstance(value, torch.Tensor) else value), gnorm, lr
 
     def _log(self, metrics: dict, lr: float, gnorm) -> None:
         avg = sum(self.recent) / len(self.recent)

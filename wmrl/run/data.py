@@ -31,3 +31,20 @@ def check_image_size(model_size, data) -> None:
     if size != data.image_size:
         raise ValueError(f"the store's images are {data.image_size}, the config says image_size={size}; "
                          "set image_size to match")
+
+
+def model_and_splits(section, ctx, cfg):
+    """``(constructor config, model, train, heldout, store)`` for ``wmrl train-worldmodel`` /
+    ``train-critic``: the ``section`` config (``cfg.worldmodel`` / ``cfg.critic``) resolved, the data of
+    ``cfg.store`` split every ``cfg.heldout_every`` episodes, its image size checked, the model built.
+
+    Raises:
+        ValueError: missing cameras or an image size that differs from the store's.
+    """
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    model_cfg = OmegaConf.to_container(section, resolve=True)
+    train, held, store = load_splits(ctx.path(cfg.store), cfg.heldout_every, model_cfg["cameras"])
+    check_image_size(model_cfg["image_size"], train)
+    return model_cfg, instantiate(section, _convert_="all"), train, held, store

@@ -18,11 +18,10 @@ import logging
 
 import hydra
 import torch
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from wmrl.run.common import RunContext, run_main
-from wmrl.run.data import check_image_size, load_splits
+from wmrl.run.data import model_and_splits
 
 log = logging.getLogger("wmrl")
 
@@ -30,10 +29,7 @@ log = logging.getLogger("wmrl")
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from worldmodels.train import train_world_model
 
-    model_cfg = OmegaConf.to_container(cfg.worldmodel, resolve=True)
-    train, held, store = load_splits(ctx.path(cfg.store), cfg.heldout_every, model_cfg["cameras"])
-    check_image_size(model_cfg["image_size"], train)
-    model = instantiate(cfg.worldmodel, _convert_="all")
+    model_cfg, model, train, held, _ = model_and_splits(cfg.worldmodel, ctx, cfg)
     tc = cfg.train
     report = train_world_model(
         model, model_cfg, train, ctx.out_dir, heldout=held, steps=int(tc.steps), batch_size=int(tc.batch_size),

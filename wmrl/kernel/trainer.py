@@ -92,22 +92,26 @@ class TrainConfig:
     periodic ``task.evaluate``.
     """
 
+    # optimizer and schedule (lr_at)
     steps: int
     lr: float
     weight_decay: float = 1e-4
     warmup: int = 50
     min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0                     # 0: no clipping
+    # what happens every so many steps
     log_every: int = 25
     eval_every: int = 0
     ckpt_every: int = 0
+    # time budget (BudgetClock)
     budget_s: float | None = None
     budget_clock: str = "wall"
     lr_follows_budget: bool = True
+    # run
     resume: bool = True
     tensorboard: bool = True
     progress: bool = True
-    seed: int = 0
+    seed: int = 0                              # re-seeds the task's torch generators after an RNG-less checkpoint
     desc: str = "train"
     check_finite: bool = False
     precision: Any = None

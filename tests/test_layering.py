@@ -13,7 +13,6 @@ inside functions count too):
 from __future__ import annotations
 
 import ast
-import re
 import sys
 from pathlib import Path
 
@@ -108,20 +107,9 @@ def violations(root: Path, entries: set[str]) -> list[str]:
     return found
 
 
-# Being removed (issue 19); a fixed one must leave this list, a new one may not join it.
-KNOWN = {
-    "wmrl/refresh.py imports worldmodels.data", "wmrl/refresh.py imports worldmodels.train",
-    "wmrl/run/evaluate_worldmodel.py imports wmrl.run.train_worldmodel",
-    "wmrl/run/train_critic.py imports wmrl.run.train_worldmodel",
-}
-
-
 def test_no_module_breaks_the_import_rule():
     found = violations(ROOT, entry_points())
-    keys = {re.sub(r":\d+ imports (\S+):.*", r" imports \1", f) for f in found}
-    new = [f for f in found if re.sub(r":\d+ imports (\S+):.*", r" imports \1", f) not in KNOWN]
-    assert not new, "forbidden imports:\n  " + "\n  ".join(new)
-    assert not KNOWN - keys, f"fixed, remove from KNOWN: {sorted(KNOWN - keys)}"
+    assert not found, "forbidden imports:\n  " + "\n  ".join(found)
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:

@@ -53,13 +53,13 @@ class WorldModelRefresher:
     1. runs ``policy`` (with whatever sampler it has, during GRPO the stochastic RL sampler) in the
        real sim from ``episodes_per_task`` train init states per task (drawn afresh every round
        from ``iteration`` and ``seed``), recording every step (:func:`record_episodes`);
-    2. fine-tunes the world model (``worldmodels.train.train_world_model``, no re-fit of its
+    2. fine-tunes the world model (``finetunes.world_model``, no re-fit of its
        normalisation statistics) for ``wm_seconds`` on every on-policy episode recorded so far plus
        ``replay_episodes`` episodes of the training split of ``store`` (its original data, against
        forgetting);
     3. fine-tunes the critic on the same episodes for ``critic_seconds``, with a fraction
        ``imagined_fraction`` of each batch from the refreshed world model's version of them
-       (``worldmodels.train.imagined_frame_bank``), so that the critic learns how the policy's
+       (``finetunes.bank``), so that the critic learns how the policy's
        failures look in imagination;
     4. saves both under ``out_dir/round_<iteration>/`` and records the round in ``out_dir/latest.json``
        (:meth:`restore` loads it when a killed GRPO run resumes).
@@ -76,10 +76,14 @@ class WorldModelRefresher:
         world_model_config, critic_config: constructor configs of the two modules (their checkpoints'
             ``config.yaml``, ``wmrl.kernel.checkpoint.read_checkpoint_config``), saved with each round.
         n_init: train init states per task to draw from.
+        finetunes: what the world-model package provides for the fine-tunes, injected by the composition
+            root (``worldmodels.train.RefreshFineTunes``): ``heldout_split(n, every)``,
+            ``frames(episodes, cameras)``, ``world_model(...)`` / ``critic(...)`` (the trainers of
+            ``wmrl.kernel.trainer``, time-capped) and ``bank(...)`` (imagined frames).
         heldout_every: as in ``wmrl train-worldmodel`` (held-out episodes are never replayed).
 
     Raises:
-        ValueError: ``episodes_per_task < 1``, the env has no ``world_model`` / ``critic``, or the
+        ValueError: ``episodes_per_task < 1``, the env has no ``world_model`` / ``critic``, no ``finetunes``, or the
             store lacks the world model's cameras.
 
     Reference: World-VLA-Loop (failures refine the world model), WoVR (world model refined on the
@@ -92,11 +96,15 @@ class WorldModelRefresher:
                  wm_seconds: float = 45.0, wm_lr: float = 3e-4, wm_batch_size: int = 32, wm_p_deterministic: float = 0.5,
                  critic_seconds: float = 20.0, critic_lr: float = 3e-4, critic_batch_size: int = 64,
                  imagined_fraction: float = 0.5, bank_size: int = 256, bank_chunks: int = 2,
-                 seed: int = 0, progress: bool = True, also_update: Sequence = ()):
+                 seed: int = 0, progress: bool = True, also_update: Sequence = (), finetunes=None):
         if int(episodes_per_task) < 1:
             raise ValueError(f"refresh.episodes_per_task must be >= 1, got {episodes_per_task}")
         if not isinstance(env, ImaginationEnv):
             raise ValueError(f"world-model refresh needs an ImaginationEnv (got {type(env).__name__}); use env=imagination")
+        if finetunes is None:
+            raise ValueError("WorldModelRefresher needs finetunes= (e.g. worldmodels.train.RefreshFineTunes()): the "
+                             "engine does not import the world-model package, the composition root passes it")
+        self.finetunes = finetunes
         self.env, self.sim_env, self.tasks = env, sim_env, dict(tasks)
         self.out_dir = Path(out_dir)
         self.n_init, self.episodes_per_task, self.max_steps = int(n_init), int(episodes_per_task), int(max_steps)
@@ -110,7 +118,6 @@ class WorldModelRefresher:
         self.wm_config = {k: v for k, v in dict(world_model_config).items() if k != "_target_"}
         self.critic_config = {k: v for k, v in dict(critic_config).items() if k != "_target_"}
         from wmrl.kernel.storage import EpisodeStore
-        from worldmodels.data import heldout_episodes
 
         st = EpisodeStore.open(store, mode="r")
         missing = [c for c in self.cameras if c not in st.cameras]
@@ -119,7 +126,7 @@ class WorldModelRefresher:
         self.template = st
         self.replay: list[Episode] = []
         if int(replay_episodes) > 0:
-            tr, _ = heldout_episodes(len(st), int(heldout_every))
+            tr, _ = finetunes.heldout_split(len(st), int(heldout_every))
             rng = np.random.default_rng([self.seed, 23])
             pick = sorted(rng.choice(tr, size=min(len(tr), int(replay_episodes)), replace=False).tolist())
             self.replay = [st.episode(i, self.cameras) for i in pick]
@@ -138,13 +145,7 @@ class WorldModelRefresher:
 
     # ---------------------------------------------------------------- the round
     def __call__(self, policy, iteration: int) -> dict:
-        from worldmodels.data import EpisodeFrames
-        from worldmodels.train import (
-            imagined_frame_bank,
-            train_critic,
-            train_world_model,
-        )
-
+        ft = self.finetunes
         t0 = time.time()
         rdir = self.out_dir / f"round_{int(iteration):04d}"
         was_training = isinstance(policy, torch.nn.Module) and policy.training
@@ -158,7 +159,7 @@ class WorldModelRefresher:
         t_roll = time.time() - t0
         self._store_round(eps, rdir / "rollouts.zarr")
         self.onpolicy.extend(eps)
-        mixed = EpisodeFrames(self.onpolicy + self.replay, cameras=self.cameras)
+        mixed = ft.frames(self.onpolicy + self.replay, self.cameras)
         succ = {t: float(np.mean([e.success for e in eps if e.task_name == t])) for t in self.tasks}
 
         wm, critic = self.env.world_model, self.env.critic
@@ -166,23 +167,23 @@ class WorldModelRefresher:
                  "critic %.0f s on %d on-policy + %d replay episodes", iteration, len(eps), succ, self.wm_seconds,
                  self.critic_seconds, len(self.onpolicy), len(self.replay))
         t1 = time.time()
-        wm_rep = train_world_model(wm, self.wm_config, mixed, rdir / "worldmodel", steps=10 ** 6,
-                                   batch_size=self.wm_batch_size, lr=self.wm_lr, warmup=5,
-                                   max_minutes=self.wm_seconds / 60, checkpoint_every=10 ** 6, eval_every=10 ** 6,
-                                   resume=False, tensorboard=False, progress=False, seed=self.seed + int(iteration),
-                                   p_deterministic=self.wm_p_deterministic, fit_stats=False)
+        wm_rep = ft.world_model(wm, self.wm_config, mixed, rdir / "worldmodel", steps=10 ** 6,
+                               batch_size=self.wm_batch_size, lr=self.wm_lr, warmup=5,
+                               max_minutes=self.wm_seconds / 60, checkpoint_every=10 ** 6, eval_every=10 ** 6,
+                               resume=False, tensorboard=False, progress=False, seed=self.seed + int(iteration),
+                               p_deterministic=self.wm_p_deterministic, fit_stats=False)
         wm.eval()
         t2 = time.time()
         bank = None
         if self.imagined_fraction > 0 and self.bank_size > 0:
-            bank = imagined_frame_bank(wm, mixed, self.bank_size, self.bank_chunks,
-                                       np.random.default_rng([self.seed, 37, int(iteration)]), progress=False)
-        c_rep = train_critic(critic, self.critic_config, mixed, rdir / "critic", steps=10 ** 6,
-                             batch_size=self.critic_batch_size, lr=self.critic_lr, warmup=5,
-                             max_minutes=self.critic_seconds / 60, checkpoint_every=10 ** 6, eval_every=10 ** 6,
-                             resume=False, tensorboard=False, progress=False, seed=self.seed + int(iteration),
-                             imagined=bank, imagined_fraction=self.imagined_fraction if bank is not None else 0.0,
-                             fit_stats=False)
+            bank = ft.bank(wm, mixed, self.bank_size, self.bank_chunks,
+                          np.random.default_rng([self.seed, 37, int(iteration)]), progress=False)
+        c_rep = ft.critic(critic, self.critic_config, mixed, rdir / "critic", steps=10 ** 6,
+                          batch_size=self.critic_batch_size, lr=self.critic_lr, warmup=5,
+                          max_minutes=self.critic_seconds / 60, checkpoint_every=10 ** 6, eval_every=10 ** 6,
+                          resume=False, tensorboard=False, progress=False, seed=self.seed + int(iteration),
+                          imagined=bank, imagined_fraction=self.imagined_fraction if bank is not None else 0.0,
+                          fit_stats=False)
         critic.eval()
         self._sync_others()
         # rounds up to this one (a later round folder is a round a killed run did not finish)

@@ -1,206 +1,63 @@
-"""Reusable training loops for the world model and the progress critic (called by
-``wmrl train-worldmodel`` / ``wmrl train-critic`` and by the pipeline).
+"""World-model and progress-critic training as tasks of the one trainer (``wmrl.kernel.trainer``), called
+by ``wmrl train-worldmodel`` / ``wmrl train-critic``, the pipeline and (injected through
+:class:`RefreshFineTunes`) the world-model refresher.
 
-Both loops: AdamW with linear warm-up and cosine decay, bfloat16 autocast inside the models,
-tqdm progress, TensorBoard scalars under ``out_dir/tb``, checkpoints (``wmrl.kernel.checkpoint`` folders:
-``config.yaml`` + ``model.safetensors`` + optimizer state in ``extra.safetensors`` + step in
-``meta.json``) under ``out_dir/checkpoints/step_<n>`` and ``.../last``; with ``resume=True`` they
-continue from ``last`` (model, optimizer, step and data RNG). A wall-clock budget
-(``max_minutes``) stops training early and still checkpoints.
+:class:`WorldModelTask` and :class:`CriticTask` say how batches are drawn, what the loss is and what
+the held-out evaluation logs; the trainer owns AdamW, warm-up + cosine LR, the ``max_minutes``
+budget, TensorBoard (``out_dir/tb``), the progress bar, checkpoints (``out_dir/checkpoints/step_<n>``
+and ``.../last``: ``config.yaml`` + ``model.safetensors`` + optimizer (``opt/<index>/<key>``) and RNG
+state in ``extra.safetensors`` + step, window generator and progress in ``meta.json``) and exact resume.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from wmrl.kernel.checkpoint import (
-    checkpoint_exists,
-    load_checkpoint,
-    load_checkpoint_meta,
-    load_extra_tensors,
-    save_checkpoint,
-)
 from wmrl.kernel.precision import Precision
+from wmrl.kernel.trainer import BudgetClock, TrainConfig, Trainer, TrainTask  # noqa: F401 (BudgetClock: re-export)
 from worldmodels.critic import ProgressValueCritic
-from worldmodels.data import EpisodeFrames
+from worldmodels.data import EpisodeFrames, heldout_episodes
 from worldmodels.video_wm import ChunkFlowWorldModel, WMState, to_uint8, to_unit
 
 log = logging.getLogger("wmrl.worldmodels")
 
 
-# ---------------------------------------------------------------------------- optimizer state
-def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """Flatten an optimizer's state into named tensors plus JSON metadata (no pickle)."""
-    sd = opt.state_dict()
-    tensors, scalars = {}, {}
-    for pid, st in sd["state"].items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"opt.{pid}.{k}"] = v
-            else:
-                scalars[f"{pid}.{k}"] = v
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+# ---------------------------------------------------------------------------- tasks
+class _WindowTask(TrainTask):
+    """Shared part of the world-model and critic tasks: a numpy window generator ``rng`` (saved in
+    ``meta.json`` as ``rng``), the model's constructor ``config`` saved with every checkpoint."""
+
+    def __init__(self, model, config: dict, rng: np.random.Generator):
+        self.module, self.config, self.rng = model, config, rng
+
+    def checkpoint_config(self):
+        return self.config
+
+    def save_meta(self):
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_meta(self, meta):
+        self.rng.bit_generator.state = meta["rng"]
 
 
-def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    """Inverse of :func:`optimizer_tensors`."""
-    state: dict[int, dict[str, Any]] = {}
-    for name, v in tensors.items():
-        if not name.startswith("opt."):
-            continue
-        _, pid, k = name.split(".", 2)
-        state.setdefault(int(pid), {})[k] = v
-    for key, v in meta.get("scalars", {}).items():
-        pid, k = key.split(".", 1)
-        state.setdefault(int(pid), {})[k] = v
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+def _fit(task: TrainTask, out_dir: Path, max_minutes: float | None, **cfg) -> Trainer:
+    """Run ``task`` on the one trainer; ``max_minutes`` (``None``: no budget) becomes ``budget_s``."""
+    budget_s = None if max_minutes is None else 60 * max_minutes
+    return Trainer(task, TrainConfig(budget_s=budget_s, **cfg), out_dir).run()
 
 
-def lr_at(step: int, total: int, lr: float, warmup: int, time_frac: float = 0.0) -> float:
-    """Linear warm-up for ``warmup`` steps, then cosine decay to 10 % of ``lr`` at ``total`` steps or
-    at the end of the time budget (``time_frac`` = fraction of it used), whichever comes first."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    frac = min(1.0, max((step - warmup) / max(1, total - warmup), time_frac))
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-def _save(model, config: dict, opt, step: int, rng: np.random.Generator, out_dir: Path, tag: str | None,
-          gen: torch.Generator | None = None, progress: dict | None = None, report: dict | None = None) -> Path:
-    """Write ``last`` (and ``tag``) with everything an exact resume needs: optimizer, the numpy window
-    generator ``rng``, the torch noise generator ``gen`` and the process-wide RNGs (``wmrl.kernel.rng``), the
-    recent losses and elapsed budget time (``progress``); the final checkpoint also carries ``report``."""
-    from wmrl.kernel.rng import capture_rng
-
-    tens, ometa = optimizer_tensors(opt)
-    rng_tensors, rng_meta = capture_rng({"noise": gen} if gen is not None else {})
-    tens.update(rng_tensors)
-    meta = {"step": step, "optimizer": ometa, "rng": rng.bit_generator.state, "rng_streams": rng_meta,
-            "progress": progress or {}}
-    if report is not None:
-        meta["report"] = report
-    meta = json.loads(json.dumps(meta, default=float))
-    ck = out_dir / "checkpoints"
-    last = save_checkpoint(model, ck / "last", config, extra_tensors=tens, meta=meta)
-    if tag:
-        save_checkpoint(model, ck / tag, config, extra_tensors=tens, meta=meta)
-    return last
-
-
-class Resumed:
-    """What :func:`_resume` read from ``last``: model, optimizer, step, the window generator ``rng``,
-    ``progress`` (recent losses, elapsed budget time), the finished run's ``report`` (or ``None``),
-    and the saved RNG state for :meth:`restore_noise`."""
-
-    def __init__(self, model, opt, step: int, rng: np.random.Generator, meta: dict, rng_tensors: dict, where: Path):
-        self.model, self.opt, self.step, self.rng = model, opt, step, rng
-        self.progress = dict(meta.get("progress", {}))
-        self.report = meta.get("report")
-        self._meta, self._tensors, self.where = meta, rng_tensors, where
-
-    def restore_noise(self, gen: torch.Generator | None, seed: int) -> None:
-        """Put the saved noise generator ``gen`` (if the loop has one) and the process-wide RNGs back;
-        a checkpoint of an older wmrl without them re-seeds ``gen`` (``seed + step``) and says the
-        resume is not exact."""
-        from wmrl.kernel.rng import restore_rng
-
-        if "rng_streams" in self._meta:
-            restore_rng(self._tensors, self._meta["rng_streams"], {"noise": gen} if gen is not None else {})
-            return
-        if gen is not None:
-            gen.manual_seed(seed + self.step)
-        log.warning("%s was written by an older wmrl without its RNG states: the resumed run is not bitwise the "
-                    "uninterrupted one", self.where)
-
-    def finished(self, steps: int, max_minutes: float | None) -> dict | None:
-        """The report of a run that already ended (all ``steps``, or cut by a budget already spent)."""
-        if self.report is None:
-            return None
-        spent = max_minutes is not None and float(self.progress.get("elapsed_s", 0.0)) > 60 * max_minutes
-        return self.report if self.step >= steps or (self.report.get("cut_by_budget") and spent) else None
-
-
-def _resume(out_dir: Path, opt_factory, model: torch.nn.Module) -> Resumed | None:
-    """Load ``out_dir/checkpoints/last`` into ``model`` (in place, so the caller's object holds the
-    weights) and a new optimizer; ``None`` when there is no checkpoint.
-
-    Raises:
-        RuntimeError: the checkpoint's weights do not fit ``model`` (another architecture).
-    """
-    from wmrl.kernel.rng import split_rng_tensors
-
-    last = out_dir / "checkpoints" / "last"
-    if not checkpoint_exists(last):
-        return None
-    try:
-        model.load_state_dict(load_checkpoint(last).state_dict())
-    except RuntimeError as e:
-        raise RuntimeError(f"{last} does not fit this {type(model).__name__} (another architecture? start a new "
-                           f"run directory or pass resume=false): {e}") from None
-    opt = opt_factory(model)
-    meta = load_checkpoint_meta(last)
-    rng_tensors, tensors = split_rng_tensors(load_extra_tensors(last))
-    load_optimizer_tensors(opt, tensors, meta["optimizer"])
-    rng = np.random.default_rng()
-    rng.bit_generator.state = meta["rng"]
-    return Resumed(model, opt, int(meta["step"]), rng, meta, rng_tensors, last)
-
-
-class BudgetClock:
-    """Elapsed training time for the ``max_minutes`` budget.
-
-    ``"wall"``: wall-clock seconds. ``"process"``: this process's CPU seconds divided by the torch
-    thread count, i.e. the wall time the same work takes on an otherwise idle machine (use it when
-    other jobs share the CPU; spin-waiting under contention still counts, so it is conservative).
-    """
-
-    def __init__(self, kind: str = "wall", before: dict | None = None):
-        if kind not in ("wall", "process"):
-            raise ValueError(f"budget_clock must be 'wall' or 'process', got {kind!r}")
-        self.kind = kind
-        self.w0, self.p0 = time.time(), time.process_time()
-        before = before or {}
-        self.wall_before, self.process_before = float(before.get("wall_s", 0.0)), float(before.get("process_s", 0.0))
-
-    def wall(self) -> float:
-        return self.wall_before + time.time() - self.w0
-
-    def process(self) -> float:
-        return self.process_before + (time.process_time() - self.p0) / max(1, torch.get_num_threads())
-
-    def elapsed(self) -> float:
-        return self.wall() if self.kind == "wall" else self.process()
-
-    def state(self) -> dict:
-        """Elapsed seconds so far (this run plus ``before``), to carry over a resume."""
-        return {"wall_s": self.wall(), "process_s": self.process(), "elapsed_s": self.elapsed()}
-
-
-def _warn_if_cut(what: str, stopped_by_time: bool, step: int, steps: int, max_minutes: float | None) -> bool:
-    """``True`` (and one warning line) when the time budget stopped training before ``steps``."""
-    cut = bool(stopped_by_time and step < steps)
-    if cut:
-        log.warning("%s: the time budget of %.1f min stopped training at step %d of %d planned; this run is cut "
-                    "short and not comparable with a full one (raise max_minutes or set it to null)",
-                    what, float(max_minutes or 0.0), step, steps)
-    return cut
-
-
-def _writer(out_dir: Path, enabled: bool):
-    if not enabled:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(str(out_dir / "tb"))
+def _common_report(tr: Trainer, budget_clock: str) -> dict:
+    hist = tr.recent
+    return {"steps": tr.step, "steps_planned": tr.cfg.steps, "cut_by_budget": tr.cut,
+            "steps_this_run": tr.step - tr.start_step, "train_seconds": round(tr.clock.wall(), 1),
+            "train_cpu_seconds_per_thread": round(tr.clock.process(), 1), "budget_clock": budget_clock,
+            "final_loss": float(np.mean(hist)) if hist else None, "stopped_by_time": tr.over,
+            "resumed_from": tr.start_step if tr.resumed is not None else None}
 
 
 # ---------------------------------------------------------------------------- videos
@@ -267,6 +124,53 @@ def one_chunk_psnr(model: ChunkFlowWorldModel, data: EpisodeFrames, n: int = 64,
     return psnr(pred), psnr(base)
 
 
+class WorldModelTask(_WindowTask):
+    """The world model's :class:`wmrl.kernel.trainer.TrainTask`: random chunk windows of ``data`` (numpy
+    ``rng``), ``model.loss`` with the torch noise generator ``gen``; held-out PSNR and real-vs-imagined
+    videos as its evaluation."""
+
+    name = "world model"
+
+    def __init__(self, model, config, data, heldout, rng, gen, batch_size: int, p_deterministic: float,
+                 p_pure_noise: float, video_chunks: int, out_dir: Path, fit_stats: bool):
+        super().__init__(model, config, rng)
+        self.data, self.heldout, self.gen, self.batch_size = data, heldout, gen, batch_size
+        self.p_det, self.p_noise, self.video_chunks, self.out_dir = p_deterministic, p_pure_noise, video_chunks, out_dir
+        self.fit_stats = fit_stats
+
+    def fresh_start(self):
+        if self.fit_stats:
+            fit_world_model_stats(self.module, self.data)
+
+    def batches(self, start, stop):
+        H = self.module.chunk_size
+        return (self.data.sample_windows(self.batch_size, H, self.rng) for _ in range(start, stop))
+
+    def loss(self, w):
+        out = self.module.loss(w.frames, w.proprio, w.actions, w.next_frames, w.next_proprio, generator=self.gen,
+                               p_deterministic=self.p_det, p_pure_noise=self.p_noise)
+        return out["loss"], out
+
+    def scalars(self, out, info):
+        return {"train/loss": float(out["loss"].detach()), "train/pixel_mse": float(out["pixel"]),
+                "train/proprio_mse": float(out["proprio"]), "train/grad_norm": info["grad_norm"], "train/lr": info["lr"]}
+
+    def evaluate(self, step, writer):
+        if self.heldout is None:
+            return
+        model = self.module
+        model.eval()
+        p_model, p_copy = one_chunk_psnr(model, self.heldout)
+        writer.add_scalar("heldout/psnr_1chunk", p_model, step)
+        writer.add_scalar("heldout/psnr_gain_over_copy", p_model - p_copy, step)
+        vid = side_by_side_video(model, self.heldout, 0, self.video_chunks, self.out_dir / "videos" / f"step_{step:06d}.mp4")
+        writer.add_images("heldout/real_vs_imagined", torch.from_numpy(vid).permute(0, 3, 1, 2), step)
+        model.train()
+
+    def streams(self):
+        return {"noise": self.gen}
+
+
 def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: EpisodeFrames, out_dir: Path,
                       heldout: EpisodeFrames | None = None, steps: int = 2000, batch_size: int = 32,
                       lr: float = 1e-3, weight_decay: float = 1e-4, warmup: int = 50, grad_clip: float = 1.0,
@@ -275,96 +179,35 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
                       tensorboard: bool = True, progress: bool = True, seed: int = 0,
                       p_deterministic: float = 0.25, p_pure_noise: float = 0.25, budget_clock: str = "wall",
                       fit_stats: bool = True, lr_follows_budget: bool = True) -> dict:
-    """Train ``model`` on chunk windows of ``train``; returns a report dict.
+    """Train ``model`` on chunk windows of ``train`` with the one trainer; returns a report dict.
 
     ``model_config`` is the model's constructor arguments (saved in the checkpoint). Stats are fitted
     from ``train`` unless resuming or ``fit_stats=False`` (fine-tuning a trained model keeps its
-    normalisation). ``max_minutes`` bounds wall-clock time (checkpoint at the end); the LR decays over
+    normalisation). ``max_minutes`` bounds the training time (checkpoint at the end); the LR decays over
     it when it ends before ``steps`` unless ``lr_follows_budget=False`` (then over the steps only, and
-    a run does not depend on the machine's speed).
+    a run does not depend on the machine's speed). Resume is exact (``resume=True``, from
+    ``out_dir/checkpoints/last``); a finished run returns its report unchanged.
+
+    Raises:
+        RuntimeError: ``last`` holds another architecture.
     """
     out_dir = Path(out_dir)
-    H = model.chunk_size
-
-    def make_opt(m):
-        return torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=weight_decay)
-
-    resumed = _resume(out_dir, make_opt, model) if resume else None
-    gen = torch.Generator().manual_seed(seed)
-    if resumed is not None:
-        model, opt, step, rng = resumed.model, resumed.opt, resumed.step, resumed.rng
-        if (done := resumed.finished(steps, max_minutes)) is not None:
-            log.info("world model in %s finished before (step %d): its report is returned unchanged", out_dir, step)
-            return done
-        resumed.restore_noise(gen, seed)
-    else:
-        if fit_stats:
-            fit_world_model_stats(model, train)
-        opt, step, rng = make_opt(model), 0, np.random.default_rng(seed)
-    start_step = step
-    writer = _writer(out_dir, tensorboard)
-    before = resumed.progress if resumed is not None else {}
-    clock = BudgetClock(budget_clock, before.get("clock"))
-    model.train()
-    hist: list[float] = list(before.get("recent", []))
-    bar = tqdm(total=steps, initial=step, desc="train world model", disable=not progress, dynamic_ncols=True)
-    stopped_by_time = False
-    while step < steps:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup,
-                            clock.elapsed() / (60 * max_minutes) if max_minutes and lr_follows_budget else 0.0)
-        w = train.sample_windows(batch_size, H, rng)
-        out = model.loss(w.frames, w.proprio, w.actions, w.next_frames, w.next_proprio, generator=gen,
-                         p_deterministic=p_deterministic, p_pure_noise=p_pure_noise)
-        opt.zero_grad(set_to_none=True)
-        out["loss"].backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        opt.step()
-        step += 1
-        hist.append(float(out["loss"].detach()))
-        bar.update(1)
-        if step % log_every == 0:
-            bar.set_postfix(loss=f"{np.mean(hist[-log_every:]):.5f}")
-            if writer:
-                writer.add_scalar("train/loss", float(out["loss"].detach()), step)
-                writer.add_scalar("train/pixel_mse", float(out["pixel"]), step)
-                writer.add_scalar("train/proprio_mse", float(out["proprio"]), step)
-                writer.add_scalar("train/grad_norm", float(gn), step)
-                writer.add_scalar("train/lr", opt.param_groups[0]["lr"], step)
-        over = max_minutes is not None and clock.elapsed() > 60 * max_minutes
-        if heldout is not None and writer and (step % eval_every == 0 or step == steps or over):
-            model.eval()
-            p_model, p_copy = one_chunk_psnr(model, heldout)
-            writer.add_scalar("heldout/psnr_1chunk", p_model, step)
-            writer.add_scalar("heldout/psnr_gain_over_copy", p_model - p_copy, step)
-            vid = side_by_side_video(model, heldout, 0, video_chunks, out_dir / "videos" / f"step_{step:06d}.mp4")
-            writer.add_images("heldout/real_vs_imagined", torch.from_numpy(vid).permute(0, 3, 1, 2), step)
-            model.train()
-        hist = hist[-log_every:]
-        if step % checkpoint_every == 0 and not (step == steps or over):
-            _save(model, model_config, opt, step, rng, out_dir, f"step_{step:06d}", gen,
-                  {"recent": hist, "clock": clock.state()})
-        if over:
-            stopped_by_time = True
-            break
-    bar.close()
-    if writer:
-        writer.close()
-    model.eval()
-    cut = _warn_if_cut("world model", stopped_by_time, step, steps, max_minutes)
-    report = {"steps": step, "steps_planned": steps, "cut_by_budget": cut,
-              "precision": model.precision().as_dict(), "steps_this_run": step - start_step, "train_seconds": round(clock.wall(), 1),
-              "train_cpu_seconds_per_thread": round(clock.process(), 1), "budget_clock": budget_clock,
-              "final_loss": float(np.mean(hist[-log_every:])) if hist else None, "stopped_by_time": stopped_by_time,
-              "resumed_from": start_step if resumed is not None else None,
+    task = WorldModelTask(model, model_config, train, heldout, np.random.default_rng(seed),
+                          torch.Generator().manual_seed(seed), batch_size, p_deterministic, p_pure_noise,
+                          video_chunks, out_dir, fit_stats)
+    tr = _fit(task, out_dir, max_minutes, steps=steps, lr=lr, weight_decay=weight_decay, warmup=warmup,
+              grad_clip=grad_clip, log_every=log_every, eval_every=eval_every, ckpt_every=checkpoint_every,
+              budget_clock=budget_clock, lr_follows_budget=lr_follows_budget, resume=resume, tensorboard=tensorboard,
+              progress=progress, seed=seed, desc="train world model")
+    if tr.finished is not None:
+        return tr.finished
+    report = {**_common_report(tr, budget_clock), "precision": model.precision().as_dict(),
               "parameters": sum(p.numel() for p in model.parameters()),
               "checkpoint": str(out_dir / "checkpoints" / "last")}
     if heldout is not None:
         p_model, p_copy = one_chunk_psnr(model, heldout)
         report.update(heldout_psnr_1chunk=p_model, heldout_psnr_copy_1chunk=p_copy)
-    if step > start_step:
-        _save(model, model_config, opt, step, rng, out_dir, f"step_{step:06d}", gen,
-              {"recent": hist, "clock": clock.state()}, report=report)
+    tr.finish(report, save=tr.step > tr.start_step)
     return report
 
 
@@ -437,6 +280,64 @@ def imagined_frame_bank(world_model: ChunkFlowWorldModel, data: EpisodeFrames, s
     return images, proprio, data.offsets[ep] + t
 
 
+class CriticTask(_WindowTask):
+    """The critic's :class:`wmrl.kernel.trainer.TrainTask`: random frames of ``data`` (and of an
+    imagined bank), shift/blur augmentation, ``critic.loss``; held-out AUROC as its evaluation."""
+
+    name = "critic"
+
+    def __init__(self, critic, config, data, heldout, rng, batch_size: int, success_tail: int,
+                 fail_progress: float, augment: bool, imagined, imagined_fraction: float, fit_stats: bool):
+        super().__init__(critic, config, rng)
+        self.data, self.heldout, self.batch_size, self.augment = data, heldout, batch_size, augment
+        self.imagined, self.imagined_fraction, self.fit_stats = imagined, imagined_fraction, fit_stats
+        self.prog, self.succ = data.frame_labels(success_tail, fail_progress)
+        self.step_ep = np.repeat(np.arange(data.num_episodes), data.lengths)
+        n_pos = float(self.succ.sum())
+        self.pos_weight = float(min(20.0, (len(self.succ) - n_pos) / max(n_pos, 1.0)))
+
+    def fresh_start(self):
+        if self.module.use_proprio and self.fit_stats:
+            self.module.set_norm_stats(torch.from_numpy(self.data.proprio))
+
+    def _batch(self):
+        data, rng, im = self.data, self.rng, self.imagined
+        n_im = int(round(self.imagined_fraction * self.batch_size)) if im is not None else 0
+        idx = rng.integers(0, len(self.prog), size=self.batch_size - n_im)
+        frames_np, prop_np = data.images[idx], data.proprio[idx]
+        if n_im:
+            j = rng.integers(0, len(im[2]), size=n_im)
+            idx = np.concatenate([idx, im[2][j]])
+            frames_np = np.concatenate([frames_np, im[0][j]])
+            prop_np = np.concatenate([prop_np, im[1][j]])
+        frames = torch.from_numpy(frames_np)
+        if self.augment:
+            frames = _augment(frames, rng)
+        texts = [data.instructions[e] for e in self.step_ep[idx]]
+        return frames, torch.from_numpy(prop_np), texts, torch.from_numpy(self.prog[idx]), torch.from_numpy(self.succ[idx])
+
+    def batches(self, start, stop):
+        return (self._batch() for _ in range(start, stop))
+
+    def loss(self, batch):
+        out = self.module.loss(*batch, pos_weight=self.pos_weight)
+        return out["loss"], out
+
+    def scalars(self, out, info):
+        return {**{f"train/{k}": float(out[k].detach()) for k in ("loss", "progress", "success")}, "train/lr": info["lr"]}
+
+    def evaluate(self, step, writer):
+        from worldmodels.evaluate import critic_auroc
+
+        if self.heldout is None:
+            return
+        self.module.eval()
+        au = critic_auroc(self.module, self.heldout)
+        if au["auroc"] is not None:
+            writer.add_scalar("heldout/auroc", au["auroc"], step)
+        self.module.train()
+
+
 def train_critic(critic: ProgressValueCritic, critic_config: dict, train: EpisodeFrames, out_dir: Path,
                  heldout: EpisodeFrames | None = None, steps: int = 1500, batch_size: int = 64, lr: float = 1e-3,
                  weight_decay: float = 1e-4, warmup: int = 50, success_tail: int = 10, fail_progress: float = 0.3,
@@ -446,102 +347,43 @@ def train_critic(critic: ProgressValueCritic, critic_config: dict, train: Episod
                  imagined: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
                  imagined_fraction: float = 0.0, fit_stats: bool = True, lr_follows_budget: bool = True) -> dict:
     """Train the progress-value critic on every frame of ``train`` (targets from
-    :meth:`EpisodeFrames.frame_labels`); returns a report dict (held-out AUROC when given).
+    :meth:`EpisodeFrames.frame_labels`) with the one trainer; returns a report dict (held-out AUROC
+    when given). Gradients are clipped at norm 1.
 
     ``imagined``: a bank from :func:`imagined_frame_bank`; a fraction ``imagined_fraction`` of every
     batch is drawn from it (imagined frames with the labels of the real frames they replace)."""
     from worldmodels.evaluate import critic_auroc
 
     out_dir = Path(out_dir)
-    prog_all, succ_all = train.frame_labels(success_tail, fail_progress)
-    step_ep = np.repeat(np.arange(train.num_episodes), train.lengths)
-    n_pos = float(succ_all.sum())
-    pos_weight = float(min(20.0, (len(succ_all) - n_pos) / max(n_pos, 1.0)))
-
-    def make_opt(m):
-        return torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=weight_decay)
-
-    resumed = _resume(out_dir, make_opt, critic) if resume else None
-    if resumed is not None:
-        critic, opt, step, rng = resumed.model, resumed.opt, resumed.step, resumed.rng
-        if (done := resumed.finished(steps, max_minutes)) is not None:
-            log.info("critic in %s finished before (step %d): its report is returned unchanged", out_dir, step)
-            return done
-        resumed.restore_noise(None, seed)
-    else:
-        if critic.use_proprio and fit_stats:
-            critic.set_norm_stats(torch.from_numpy(train.proprio))
-        opt, step, rng = make_opt(critic), 0, np.random.default_rng(seed)
-    start_step = step
-    writer = _writer(out_dir, tensorboard)
-    before = resumed.progress if resumed is not None else {}
-    clock = BudgetClock(budget_clock, before.get("clock"))
-    critic.train()
-    hist: list[float] = list(before.get("recent", []))
-    bar = tqdm(total=steps, initial=step, desc="train critic", disable=not progress, dynamic_ncols=True)
-    stopped_by_time = False
-    while step < steps:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup,
-                            clock.elapsed() / (60 * max_minutes) if max_minutes and lr_follows_budget else 0.0)
-        n_im = int(round(imagined_fraction * batch_size)) if imagined is not None else 0
-        idx = rng.integers(0, len(prog_all), size=batch_size - n_im)
-        frames_np, prop_np = train.images[idx], train.proprio[idx]
-        if n_im:
-            j = rng.integers(0, len(imagined[2]), size=n_im)
-            idx = np.concatenate([idx, imagined[2][j]])
-            frames_np = np.concatenate([frames_np, imagined[0][j]])
-            prop_np = np.concatenate([prop_np, imagined[1][j]])
-        frames = torch.from_numpy(frames_np)
-        if augment:
-            frames = _augment(frames, rng)
-        texts = [train.instructions[e] for e in step_ep[idx]]
-        out = critic.loss(frames, torch.from_numpy(prop_np), texts,
-                          torch.from_numpy(prog_all[idx]), torch.from_numpy(succ_all[idx]), pos_weight=pos_weight)
-        opt.zero_grad(set_to_none=True)
-        out["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
-        opt.step()
-        step += 1
-        hist.append(float(out["loss"].detach()))
-        bar.update(1)
-        if step % log_every == 0:
-            bar.set_postfix(loss=f"{np.mean(hist[-log_every:]):.4f}")
-            if writer:
-                for k in ("loss", "progress", "success"):
-                    writer.add_scalar(f"train/{k}", float(out[k].detach()), step)
-                writer.add_scalar("train/lr", opt.param_groups[0]["lr"], step)
-        over = max_minutes is not None and clock.elapsed() > 60 * max_minutes
-        if heldout is not None and writer and (step % eval_every == 0 or step == steps or over):
-            critic.eval()
-            au = critic_auroc(critic, heldout)
-            if au["auroc"] is not None:
-                writer.add_scalar("heldout/auroc", au["auroc"], step)
-            critic.train()
-        hist = hist[-log_every:]
-        if (step % checkpoint_every == 0) and not (step == steps or over):
-            _save(critic, critic_config, opt, step, rng, out_dir, f"step_{step:06d}", None,
-                  {"recent": hist, "clock": clock.state()})
-        if over:
-            stopped_by_time = True
-            break
-    bar.close()
-    if writer:
-        writer.close()
-    critic.eval()
-    cut = _warn_if_cut("critic", stopped_by_time, step, steps, max_minutes)
-    report = {"steps": step, "steps_planned": steps, "cut_by_budget": cut,
+    task = CriticTask(critic, critic_config, train, heldout, np.random.default_rng(seed), batch_size, success_tail,
+                      fail_progress, augment, imagined, imagined_fraction, fit_stats)
+    tr = _fit(task, out_dir, max_minutes, steps=steps, lr=lr, weight_decay=weight_decay, warmup=warmup,
+              grad_clip=1.0, log_every=log_every, eval_every=eval_every, ckpt_every=checkpoint_every,
+              budget_clock=budget_clock, lr_follows_budget=lr_follows_budget, resume=resume, tensorboard=tensorboard,
+              progress=progress, seed=seed, desc="train critic")
+    if tr.finished is not None:
+        return tr.finished
+    report = {**_common_report(tr, budget_clock),
               "precision": Precision.fixed_fp32(next(critic.parameters()).device,
                                                 "critic: fp32 (it has no bf16 autocast path)").as_dict(),
-              "steps_this_run": step - start_step, "train_seconds": round(clock.wall(), 1),
-              "train_cpu_seconds_per_thread": round(clock.process(), 1), "budget_clock": budget_clock,
-              "final_loss": float(np.mean(hist[-log_every:])) if hist else None, "stopped_by_time": stopped_by_time,
-              "resumed_from": start_step if resumed is not None else None, "pos_weight": pos_weight,
-              "parameters": sum(p.numel() for p in critic.parameters()),
+              "pos_weight": task.pos_weight, "parameters": sum(p.numel() for p in critic.parameters()),
               "checkpoint": str(out_dir / "checkpoints" / "last")}
     if heldout is not None:
         report["heldout"] = critic_auroc(critic, heldout)
-    if step > start_step:
-        _save(critic, critic_config, opt, step, rng, out_dir, f"step_{step:06d}", None,
-              {"recent": hist, "clock": clock.state()}, report=report)
+    tr.finish(report, save=tr.step > tr.start_step)
     return report
+
+
+class RefreshFineTunes:
+    """What ``wmrl.refresh.WorldModelRefresher`` needs from this package, injected by the composition
+    root (the engine imports the kernel only): the episode split, the frames container, the two
+    fine-tunes and the imagined frame bank."""
+
+    heldout_split = staticmethod(heldout_episodes)
+    world_model = staticmethod(train_world_model)
+    critic = staticmethod(train_critic)
+    bank = staticmethod(imagined_frame_bank)
+
+    @staticmethod
+    def frames(episodes, cameras) -> EpisodeFrames:
+        return EpisodeFrames(episodes, cameras=cameras)

@@ -77,7 +77,7 @@ def _policy_check(cfg: DictConfig, wm, critic, ctx: RunContext) -> dict:
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from wmrl.kernel.checkpoint import load_checkpoint
-    from wmrl.run.train_worldmodel import load_splits
+    from wmrl.run.data import load_splits
     from worldmodels.evaluate import action_following, critic_auroc, horizon_metrics
 
     dev = cfg.device

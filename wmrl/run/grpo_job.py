@@ -62,6 +62,7 @@ def _maybe_refresher(cfg: DictConfig, ctx: RunContext, env, suite, tasks: dict, 
                          "(replay data against forgetting)")
     from wmrl.kernel.checkpoint import read_checkpoint_config
     from wmrl.refresh import WorldModelRefresher
+    from worldmodels.train import RefreshFineTunes
 
     wm, cr = rc.worldmodel, rc.critic
     r = WorldModelRefresher(
@@ -73,7 +74,7 @@ def _maybe_refresher(cfg: DictConfig, ctx: RunContext, env, suite, tasks: dict, 
         wm_p_deterministic=float(wm.p_deterministic), critic_seconds=float(cr.seconds), critic_lr=float(cr.lr),
         critic_batch_size=int(cr.batch_size), imagined_fraction=float(cr.imagined_fraction),
         bank_size=int(cr.bank_size), bank_chunks=int(cr.bank_chunks), seed=int(cfg.seed),
-        progress=bool(cfg.get("progress", True)), also_update=replay_envs)
+        progress=bool(cfg.get("progress", True)), also_update=replay_envs, finetunes=RefreshFineTunes())
     if bool(cfg.resume) and r.restore() is not None:
         log.info("world-model refresh: resumed with the world model and critic of round %d", r.restored)
     return r

@@ -16,20 +16,16 @@ for, so the critic scores imagined rollouts as it scores real ones. Resumable
 from __future__ import annotations
 
 import hydra
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from wmrl.run.common import RunContext, run_main
-from wmrl.run.train_worldmodel import check_image_size, load_splits
+from wmrl.run.data import model_and_splits
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from worldmodels.train import train_critic
 
-    critic_cfg = OmegaConf.to_container(cfg.critic, resolve=True)
-    train, held, _ = load_splits(ctx.path(cfg.store), cfg.heldout_every, critic_cfg["cameras"])
-    check_image_size(critic_cfg["image_size"], train)
-    critic = instantiate(cfg.critic, _convert_="all")
+    critic_cfg, critic, train, held, _ = model_and_splits(cfg.critic, ctx, cfg)
     tc = cfg.train
     bank, im = None, cfg.get("imagined") or {}
     if im.get("world_model") and float(im.get("fraction", 0.0)) > 0:

@@ -18,42 +18,18 @@ import logging
 
 import hydra
 import torch
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from wmrl.run.common import RunContext, run_main
+from wmrl.run.data import model_and_splits
 
 log = logging.getLogger("wmrl")
-
-
-def load_splits(store_path, heldout_every: int, cameras):
-    """(train, heldout) ``EpisodeFrames`` of an EpisodeStore, split by episode index."""
-    from wmrl.kernel.storage import EpisodeStore
-    from worldmodels.data import EpisodeFrames, heldout_episodes
-
-    store = EpisodeStore.open(store_path, mode="r")
-    missing = [c for c in cameras if c not in store.cameras]
-    if missing:
-        raise ValueError(f"the model wants cameras {missing} that the store {store_path} lacks "
-                         f"(it has {list(store.cameras)}); set worldmodel.cameras / critic.cameras")
-    tr, ho = heldout_episodes(len(store), int(heldout_every))
-    return EpisodeFrames.from_store(store, tr, cameras), EpisodeFrames.from_store(store, ho, cameras), store
-
-
-def check_image_size(model_size, data) -> None:
-    size = tuple(model_size) if not isinstance(model_size, int) else (model_size, model_size)
-    if size != data.image_size:
-        raise ValueError(f"the store's images are {data.image_size}, the config says image_size={size}; "
-                         "set image_size to match")
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from worldmodels.train import train_world_model
 
-    model_cfg = OmegaConf.to_container(cfg.worldmodel, resolve=True)
-    train, held, store = load_splits(ctx.path(cfg.store), cfg.heldout_every, model_cfg["cameras"])
-    check_image_size(model_cfg["image_size"], train)
-    model = instantiate(cfg.worldmodel, _convert_="all")
+    model_cfg, model, train, held, _ = model_and_splits(cfg.worldmodel, ctx, cfg)
     tc = cfg.train
     report = train_world_model(
         model, model_cfg, train, ctx.out_dir, heldout=held, steps=int(tc.steps), batch_size=int(tc.batch_size),

@@ -1,0 +1,50 @@
+"""Data loading shared by the world-model and critic entry points (``wmrl train-worldmodel``,
+``wmrl train-critic``, ``wmrl evaluate-worldmodel``); a non-entry module, so those entry points do
+not import each other."""
+
+from __future__ import annotations
+
+
+def load_splits(store_path, heldout_every: int, cameras):
+    """``(train, heldout, store)``: ``worldmodels.data.EpisodeFrames`` of an EpisodeStore split by
+    episode index (``worldmodels.data.heldout_episodes``) and the open store.
+
+    Raises:
+        ValueError: the store lacks one of ``cameras``.
+    """
+    from wmrl.kernel.storage import EpisodeStore
+    from worldmodels.data import EpisodeFrames, heldout_episodes
+
+    store = EpisodeStore.open(store_path, mode="r")
+    missing = [c for c in cameras if c not in store.cameras]
+    if missing:
+        raise ValueError(f"the model wants cameras {missing} that the store {store_path} lacks "
+                         f"(it has {list(store.cameras)}); set worldmodel.cameras / critic.cameras")
+    tr, ho = heldout_episodes(len(store), int(heldout_every))
+    return EpisodeFrames.from_store(store, tr, cameras), EpisodeFrames.from_store(store, ho, cameras), store
+
+
+def check_image_size(model_size, data) -> None:
+    """Raise ``ValueError`` when the config's ``image_size`` (int or ``(H, W)``) differs from the
+    images of ``data`` (``data.image_size``)."""
+    size = tuple(model_size) if not isinstance(model_size, int) else (model_size, model_size)
+    if size != data.image_size:
+        raise ValueError(f"the store's images are {data.image_size}, the config says image_size={size}; "
+                         "set image_size to match")
+
+
+def model_and_splits(section, ctx, cfg):
+    """``(constructor config, model, train, heldout, store)`` for ``wmrl train-worldmodel`` /
+    ``train-critic``: the ``section`` config (``cfg.worldmodel`` / ``cfg.critic``) resolved, the data of
+    ``cfg.store`` split every ``cfg.heldout_every`` episodes, its image size checked, the model built.
+
+    Raises:
+        ValueError: missing cameras or an image size that differs from the store's.
+    """
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    model_cfg = OmegaConf.to_container(section, resolve=True)
+    train, held, store = load_splits(ctx.path(cfg.store), cfg.heldout_every, model_cfg["cameras"])
+    check_image_size(model_cfg["image_size"], train)
+    return model_cfg, instantiate(section, _convert_="all"), train, held, store

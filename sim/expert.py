@@ -63,7 +63,7 @@ class ScriptedExpert:
         rotation_noise: scale of the action noise on the rotation dims relative to the position
             dims (>= 0). With robosuite's decoupled OSC_POSE a rotation command also moves the grip
             site (1.4-1.9 cm per step for 0.5 about x from an init pose), so rotation jitter makes the
-            arm's motion much harder to predict from proprio and actions (see docs/architecture.md).
+            arm's motion much harder to predict from proprio and actions (see docs/measurements.md).
 
     ``act(s)`` maps the privileged state ``s`` (``TaskEnv.privileged()``) to an action
     ``float32 (7,)``: xyz delta, axis-angle delta (both in [-1, 1], base frame), gripper (-1 open,

@@ -4,7 +4,7 @@ Given the current frames of every camera (stacked on channels, so the cameras ar
 jointly and stay consistent), the proprio state and an action chunk ``(B, H, D_a)``, the model
 generates the frames and proprio after the chunk (step ``t + H``).
 
-Method (chosen for few-step sampling on CPU, see DESIGN.md "Measured on this kind of machine"):
+Method (chosen for few-step sampling on CPU; its figures: docs/measurements.md, "World model"):
 
 * Rectified flow / flow matching in diffusers' convention ``z_s = (1 - s) x + s * eps`` with
   ``s`` the noise level (Lipman et al. 2023, "Flow Matching for Generative Modeling"; Liu et al.

@@ -58,14 +58,14 @@ def parts(tmp_path_factory):
 
 
 def _refresher(p, out, **kw):
-    from wmrl.refresh import WorldModelRefresher
+    from wmrl.refresh import RefreshConfig, WorldModelRefresher
     from worldmodels.train import RefreshFineTunes
 
     return WorldModelRefresher(p["env"], p["suite"].make_env(2), {"lift_red": "lift the red cube"}, out, p["store"],
-                               p["wm_cfg"], p["cr_cfg"], n_init=10, episodes_per_task=2, max_steps=12,
-                               replay_episodes=3, wm_seconds=1.5, critic_seconds=1.0, wm_batch_size=4,
-                               critic_batch_size=8, bank_size=8, bank_chunks=1, progress=False,
-                               finetunes=RefreshFineTunes(), **kw)
+                               p["wm_cfg"], p["cr_cfg"], RefreshFineTunes(),
+                               RefreshConfig(n_init=10, episodes_per_task=2, max_steps=12, replay_episodes=3,
+                                             wm_seconds=1.5, critic_seconds=1.0, wm_batch_size=4, critic_batch_size=8,
+                                             bank_size=8, bank_chunks=1, progress=False), **kw)
 
 
 def test_refresh_round_fine_tunes_in_place_and_restores(parts):
@@ -110,4 +110,4 @@ def test_refresh_needs_an_imagination_env(parts):
     p = parts
     with pytest.raises(ValueError, match="env=imagination"):
         WorldModelRefresher(p["suite"].make_env(2), p["suite"].make_env(2), {"lift_red": "x"}, p["tmp"] / "r",
-                            p["store"], p["wm_cfg"], p["cr_cfg"])
+                            p["store"], p["wm_cfg"], p["cr_cfg"], object())

@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,32 @@ def store_like(template, dest, source: str):
     return EpisodeStore.create(dest, cameras={k: tuple(v) for k, v in m["cameras"].items()}, state_dim=m["state_dim"],
                                action_dim=m["action_dim"], fps=m["fps"], action_space=template.action_space,
                                embodiment=m.get("embodiment", "panda"), source=source, overwrite=True)
+
+
+@dataclass
+class RefreshConfig:
+    """The settings of :class:`WorldModelRefresher` (``configs/post_train.yaml`` ``refresh``): train
+    init states per task (``n_init``), rollouts per task and their step cap, replayed store episodes,
+    the held-out split, the fine-tunes' seconds (wall-clock caps), LRs and batch sizes, the
+    deterministic-path fraction of the world model, the critic's imagined fraction and frame bank."""
+
+    n_init: int = 50
+    episodes_per_task: int = 8
+    max_steps: int = 160
+    replay_episodes: int = 48
+    heldout_every: int = 5
+    wm_seconds: float = 45.0
+    wm_lr: float = 3e-4
+    wm_batch_size: int = 32
+    wm_p_deterministic: float = 0.5
+    critic_seconds: float = 20.0
+    critic_lr: float = 3e-4
+    critic_batch_size: int = 64
+    imagined_fraction: float = 0.5
+    bank_size: int = 256
+    bank_chunks: int = 2
+    seed: int = 0
+    progress: bool = True
 
 
 class WorldModelRefresher:
@@ -75,12 +102,11 @@ class WorldModelRefresher:
             for the stores of recorded rollouts).
         world_model_config, critic_config: constructor configs of the two modules (their checkpoints'
             ``config.yaml``, ``wmrl.kernel.checkpoint.read_checkpoint_config``), saved with each round.
-        n_init: train init states per task to draw from.
+        config: :class:`RefreshConfig` (``n_init``: train init states per task to draw from, ...).
         finetunes: what the world-model package provides for the fine-tunes, injected by the composition
             root (``worldmodels.train.RefreshFineTunes``): ``heldout_split(n, every)``,
             ``frames(episodes, cameras)``, ``world_model(...)`` / ``critic(...)`` (the trainers of
             ``wmrl.kernel.trainer``, time-capped) and ``bank(...)`` (imagined frames).
-        heldout_every: as in ``wmrl train-worldmodel`` (held-out episodes are never replayed).
 
     Raises:
         ValueError: ``episodes_per_task < 1``, the env has no ``world_model`` / ``critic``, no ``finetunes``, or the
@@ -91,28 +117,25 @@ class WorldModelRefresher:
     """
 
     def __init__(self, env, sim_env, tasks: dict, out_dir, store, world_model_config: dict, critic_config: dict,
-                 n_init: int = 50, episodes_per_task: int = 8,
-                 max_steps: int = 160, replay_episodes: int = 48, heldout_every: int = 5,
-                 wm_seconds: float = 45.0, wm_lr: float = 3e-4, wm_batch_size: int = 32, wm_p_deterministic: float = 0.5,
-                 critic_seconds: float = 20.0, critic_lr: float = 3e-4, critic_batch_size: int = 64,
-                 imagined_fraction: float = 0.5, bank_size: int = 256, bank_chunks: int = 2,
-                 seed: int = 0, progress: bool = True, also_update: Sequence = (), finetunes=None):
-        if int(episodes_per_task) < 1:
-            raise ValueError(f"refresh.episodes_per_task must be >= 1, got {episodes_per_task}")
+                 finetunes, config: RefreshConfig | None = None, also_update: Sequence = ()):
+        c = config if config is not None else RefreshConfig()
+        if int(c.episodes_per_task) < 1:
+            raise ValueError(f"refresh.episodes_per_task must be >= 1, got {c.episodes_per_task}")
         if not isinstance(env, ImaginationEnv):
             raise ValueError(f"world-model refresh needs an ImaginationEnv (got {type(env).__name__}); use env=imagination")
         if finetunes is None:
             raise ValueError("WorldModelRefresher needs finetunes= (e.g. worldmodels.train.RefreshFineTunes()): the "
                              "engine does not import the world-model package, the composition root passes it")
-        self.finetunes = finetunes
+        self.finetunes, self.config = finetunes, c
         self.env, self.sim_env, self.tasks = env, sim_env, dict(tasks)
         self.out_dir = Path(out_dir)
-        self.n_init, self.episodes_per_task, self.max_steps = int(n_init), int(episodes_per_task), int(max_steps)
-        self.wm_seconds, self.wm_lr, self.wm_batch_size = float(wm_seconds), float(wm_lr), int(wm_batch_size)
-        self.wm_p_deterministic = float(wm_p_deterministic)
-        self.critic_seconds, self.critic_lr, self.critic_batch_size = float(critic_seconds), float(critic_lr), int(critic_batch_size)
-        self.imagined_fraction, self.bank_size, self.bank_chunks = float(imagined_fraction), int(bank_size), int(bank_chunks)
-        self.seed, self.progress = int(seed), bool(progress)
+        self.n_init, self.episodes_per_task, self.max_steps = int(c.n_init), int(c.episodes_per_task), int(c.max_steps)
+        self.wm_seconds, self.wm_lr, self.wm_batch_size = float(c.wm_seconds), float(c.wm_lr), int(c.wm_batch_size)
+        self.wm_p_deterministic = float(c.wm_p_deterministic)
+        self.critic_seconds, self.critic_lr = float(c.critic_seconds), float(c.critic_lr)
+        self.critic_batch_size = int(c.critic_batch_size)
+        self.imagined_fraction, self.bank_size, self.bank_chunks = float(c.imagined_fraction), int(c.bank_size), int(c.bank_chunks)
+        self.seed, self.progress = int(c.seed), bool(c.progress)
         self.also_update = list(also_update)
         self.cameras = list(env.world_model.cameras)
         self.wm_config = {k: v for k, v in dict(world_model_config).items() if k != "_target_"}
@@ -125,10 +148,10 @@ class WorldModelRefresher:
             raise ValueError(f"refresh.store {store} lacks the world model's cameras {missing} (has {list(st.cameras)})")
         self.template = st
         self.replay: list[Episode] = []
-        if int(replay_episodes) > 0:
-            tr, _ = finetunes.heldout_split(len(st), int(heldout_every))
+        if int(c.replay_episodes) > 0:
+            tr, _ = finetunes.heldout_split(len(st), int(c.heldout_every))
             rng = np.random.default_rng([self.seed, 23])
-            pick = sorted(rng.choice(tr, size=min(len(tr), int(replay_episodes)), replace=False).tolist())
+            pick = sorted(rng.choice(tr, size=min(len(tr), int(c.replay_episodes)), replace=False).tolist())
             self.replay = [st.episode(i, self.cameras) for i in pick]
         self.onpolicy: list[Episode] = []
         self.restored: int | None = None

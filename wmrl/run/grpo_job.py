@@ -61,20 +61,22 @@ def _maybe_refresher(cfg: DictConfig, ctx: RunContext, env, suite, tasks: dict, 
         raise ValueError("refresh.every > 0 needs refresh.store=PATH: the world model's training EpisodeStore "
                          "(replay data against forgetting)")
     from wmrl.kernel.checkpoint import read_checkpoint_config
-    from wmrl.refresh import WorldModelRefresher
+    from wmrl.refresh import RefreshConfig, WorldModelRefresher
     from worldmodels.train import RefreshFineTunes
 
     wm, cr = rc.worldmodel, rc.critic
     r = WorldModelRefresher(
         env, make_sim_env(int(rc.num_envs), suite=suite), tasks, ctx.out_dir / "refresh", ctx.path(rc.store),
         read_checkpoint_config(ctx.path(cfg.env.world_model)), read_checkpoint_config(ctx.path(cfg.env.critic)),
-        n_init=n_init, episodes_per_task=int(rc.episodes_per_task), max_steps=int(rc.max_steps),
-        replay_episodes=int(rc.replay_episodes), heldout_every=int(rc.heldout_every),
-        wm_seconds=float(wm.seconds), wm_lr=float(wm.lr), wm_batch_size=int(wm.batch_size),
-        wm_p_deterministic=float(wm.p_deterministic), critic_seconds=float(cr.seconds), critic_lr=float(cr.lr),
-        critic_batch_size=int(cr.batch_size), imagined_fraction=float(cr.imagined_fraction),
-        bank_size=int(cr.bank_size), bank_chunks=int(cr.bank_chunks), seed=int(cfg.seed),
-        progress=bool(cfg.get("progress", True)), also_update=replay_envs, finetunes=RefreshFineTunes())
+        RefreshFineTunes(), RefreshConfig(
+            n_init=n_init, episodes_per_task=int(rc.episodes_per_task), max_steps=int(rc.max_steps),
+            replay_episodes=int(rc.replay_episodes), heldout_every=int(rc.heldout_every),
+            wm_seconds=float(wm.seconds), wm_lr=float(wm.lr), wm_batch_size=int(wm.batch_size),
+            wm_p_deterministic=float(wm.p_deterministic), critic_seconds=float(cr.seconds), critic_lr=float(cr.lr),
+            critic_batch_size=int(cr.batch_size), imagined_fraction=float(cr.imagined_fraction),
+            bank_size=int(cr.bank_size), bank_chunks=int(cr.bank_chunks), seed=int(cfg.seed),
+            progress=bool(cfg.get("progress", True))),
+        also_update=replay_envs)
     if bool(cfg.resume) and r.restore() is not None:
         log.info("world-model refresh: resumed with the world model and critic of round %d", r.restored)
     return r

@@ -253,7 +253,7 @@ class FlowVLAPolicy(nn.Module):
         stochastic denoising transitions' log-densities ``float32 (B, m)`` (``m = K`` by default).
         Raises ``ValueError`` if the policy's sampler is not stochastic, the sample has no chain, or it
         was drawn with another noise level or number of stochastic steps."""
-        if not getattr(self.sampler, "stochastic", False):
+        if not self.sampler.stochastic:
             raise ValueError("log_prob needs a stochastic sampler: set policy.sampler = "
                              "policies.samplers.SDESampler(num_steps, noise_level) before sampling")
         chain = sample.extras.get("chain")

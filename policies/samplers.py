@@ -88,7 +88,7 @@ def sample_extras(sampler, out: SamplerOutput, batch_size: int, device) -> dict[
     extras: dict[str, torch.Tensor] = {}
     if out.chain is not None:
         extras["chain"] = out.chain
-    if getattr(sampler, "stochastic", False):
+    if sampler.stochastic:
         extras["noise_level"] = torch.full((batch_size,), sampler.noise_level, device=device)
         extras["noise_steps"] = torch.full((batch_size,), sampler.stochastic_steps, device=device, dtype=torch.long)
     return extras

@@ -63,11 +63,11 @@ def policy_checkpoint_config(policy) -> dict:
     cfg = dict(policy.init_config)
     s = policy.sampler
     sc = {"_target_": f"{type(s).__module__}.{type(s).__qualname__}", "num_steps": s.num_steps}
-    if getattr(s, "stochastic", False):
+    if s.stochastic:
         sc["noise_level"] = s.noise_level
-        if getattr(s, "noise_steps", None) is not None:
+        if s.noise_steps is not None:
             sc["noise_steps"] = s.noise_steps
-    elif getattr(s, "noise_scale", 1.0) != 1.0:
+    elif s.noise_scale != 1.0:
         sc["noise_scale"] = s.noise_scale
     cfg["sampler"] = sc
     return cfg

@@ -17,6 +17,7 @@ control step (the pipeline's BC rollouts use it too).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -70,6 +71,11 @@ class RefreshConfig:
     bank_chunks: int = 2
     seed: int = 0
     progress: bool = True
+
+    def __post_init__(self):   # values from YAML / the command line as the field's type (int, float, bool)
+        casts = {"int": int, "float": float, "bool": bool}
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, casts[f.type](getattr(self, f.name)))
 
 
 class WorldModelRefresher:
@@ -129,13 +135,6 @@ class WorldModelRefresher:
         self.finetunes, self.config = finetunes, c
         self.env, self.sim_env, self.tasks = env, sim_env, dict(tasks)
         self.out_dir = Path(out_dir)
-        self.n_init, self.episodes_per_task, self.max_steps = int(c.n_init), int(c.episodes_per_task), int(c.max_steps)
-        self.wm_seconds, self.wm_lr, self.wm_batch_size = float(c.wm_seconds), float(c.wm_lr), int(c.wm_batch_size)
-        self.wm_p_deterministic = float(c.wm_p_deterministic)
-        self.critic_seconds, self.critic_lr = float(c.critic_seconds), float(c.critic_lr)
-        self.critic_batch_size = int(c.critic_batch_size)
-        self.imagined_fraction, self.bank_size, self.bank_chunks = float(c.imagined_fraction), int(c.bank_size), int(c.bank_chunks)
-        self.seed, self.progress = int(c.seed), bool(c.progress)
         self.also_update = list(also_update)
         self.cameras = list(env.world_model.cameras)
         self.wm_config = {k: v for k, v in dict(world_model_config).items() if k != "_target_"}
@@ -150,7 +149,7 @@ class WorldModelRefresher:
         self.replay: list[Episode] = []
         if int(c.replay_episodes) > 0:
             tr, _ = finetunes.heldout_split(len(st), int(c.heldout_every))
-            rng = np.random.default_rng([self.seed, 23])
+            rng = np.random.default_rng([self.config.seed, 23])
             pick = sorted(rng.choice(tr, size=min(len(tr), int(c.replay_episodes)), replace=False).tolist())
             self.replay = [st.episode(i, self.cameras) for i in pick]
         self.onpolicy: list[Episode] = []
@@ -158,8 +157,8 @@ class WorldModelRefresher:
 
     # ---------------------------------------------------------------- rollouts
     def starts(self, iteration: int) -> list[Start]:
-        k = min(self.episodes_per_task, self.n_init)
-        return InitStateStarts(self.tasks, self.n_init, k, split="train", seed=self.seed, stream=(29,))(iteration)
+        k = min(self.config.episodes_per_task, self.config.n_init)
+        return InitStateStarts(self.tasks, self.config.n_init, k, split="train", seed=self.config.seed, stream=(29,))(iteration)
 
     def _store_round(self, episodes: list[Episode], folder: Path) -> None:
         st = store_like(self.template, folder, "grpo_refresh")
@@ -174,9 +173,9 @@ class WorldModelRefresher:
         was_training = isinstance(policy, torch.nn.Module) and policy.training
         if isinstance(policy, torch.nn.Module):
             policy.eval()
-        eps = record_episodes(self.sim_env, policy, self.starts(iteration), self.max_steps,
-                              generator=torch.Generator().manual_seed(self.seed + 31 * int(iteration)),
-                              source="grpo_refresh", progress=self.progress, desc="refresh rollouts")
+        eps = record_episodes(self.sim_env, policy, self.starts(iteration), self.config.max_steps,
+                              generator=torch.Generator().manual_seed(self.config.seed + 31 * int(iteration)),
+                              source="grpo_refresh", progress=self.config.progress, desc="refresh rollouts")
         if was_training:
             policy.train()
         t_roll = time.time() - t0
@@ -187,25 +186,25 @@ class WorldModelRefresher:
 
         wm, critic = self.env.world_model, self.env.critic
         log.info("refresh at iteration %d: %d real rollouts (success %s); fine-tuning the world model %.0f s and the "
-                 "critic %.0f s on %d on-policy + %d replay episodes", iteration, len(eps), succ, self.wm_seconds,
-                 self.critic_seconds, len(self.onpolicy), len(self.replay))
+                 "critic %.0f s on %d on-policy + %d replay episodes", iteration, len(eps), succ, self.config.wm_seconds,
+                 self.config.critic_seconds, len(self.onpolicy), len(self.replay))
         t1 = time.time()
         wm_rep = ft.world_model(wm, self.wm_config, mixed, rdir / "worldmodel", steps=10 ** 6,
-                               batch_size=self.wm_batch_size, lr=self.wm_lr, warmup=5,
-                               max_minutes=self.wm_seconds / 60, checkpoint_every=10 ** 6, eval_every=10 ** 6,
-                               resume=False, tensorboard=False, progress=False, seed=self.seed + int(iteration),
-                               p_deterministic=self.wm_p_deterministic, fit_stats=False)
+                               batch_size=self.config.wm_batch_size, lr=self.config.wm_lr, warmup=5,
+                               max_minutes=self.config.wm_seconds / 60, checkpoint_every=10 ** 6, eval_every=10 ** 6,
+                               resume=False, tensorboard=False, progress=False, seed=self.config.seed + int(iteration),
+                               p_deterministic=self.config.wm_p_deterministic, fit_stats=False)
         wm.eval()
         t2 = time.time()
         bank = None
-        if self.imagined_fraction > 0 and self.bank_size > 0:
-            bank = ft.bank(wm, mixed, self.bank_size, self.bank_chunks,
-                          np.random.default_rng([self.seed, 37, int(iteration)]), progress=False)
+        if self.config.imagined_fraction > 0 and self.config.bank_size > 0:
+            bank = ft.bank(wm, mixed, self.config.bank_size, self.config.bank_chunks,
+                          np.random.default_rng([self.config.seed, 37, int(iteration)]), progress=False)
         c_rep = ft.critic(critic, self.critic_config, mixed, rdir / "critic", steps=10 ** 6,
-                          batch_size=self.critic_batch_size, lr=self.critic_lr, warmup=5,
-                          max_minutes=self.critic_seconds / 60, checkpoint_every=10 ** 6, eval_every=10 ** 6,
-                          resume=False, tensorboard=False, progress=False, seed=self.seed + int(iteration),
-                          imagined=bank, imagined_fraction=self.imagined_fraction if bank is not None else 0.0,
+                          batch_size=self.config.critic_batch_size, lr=self.config.critic_lr, warmup=5,
+                          max_minutes=self.config.critic_seconds / 60, checkpoint_every=10 ** 6, eval_every=10 ** 6,
+                          resume=False, tensorboard=False, progress=False, seed=self.config.seed + int(iteration),
+                          imagined=bank, imagined_fraction=self.config.imagined_fraction if bank is not None else 0.0,
                           fit_stats=False)
         critic.eval()
         self._sync_others()

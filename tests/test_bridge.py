@@ -348,12 +348,13 @@ def test_session_without_hello_times_out_even_when_it_sends_garbage():
     th = threading.Thread(target=lambda: box.setdefault("s", srv.serve(server_end, hello_timeout_s=0.3)), daemon=True)
     th.start()
     t0 = time.monotonic()
-    while th.is_alive() and time.monotonic() - t0 < 3:
+    while th.is_alive() and time.monotonic() - t0 < 30:
         robot_end.send_bytes(b"\x0a\xff garbage")  # rejected, answered, but not activity
         time.sleep(0.02)
+    ended_while_garbage_flowed = not th.is_alive()  # garbage never reset the Hello deadline
     th.join(timeout=1)
-    assert not th.is_alive() and box["s"]["ended"].startswith("timeout: no Hello within hello_timeout_s=0.3")
-    assert time.monotonic() - t0 < 1.5 and box["s"]["rejected"] > 3
+    assert ended_while_garbage_flowed and box["s"]["ended"].startswith("timeout: no Hello within hello_timeout_s=0.3")
+    assert box["s"]["rejected"] > 3
     codes = []
     while (env := robot_end.recv(timeout=0.05)) is not None:
         codes.append(env.error.code if M.kind(env) == "error" else M.kind(env))

@@ -111,7 +111,7 @@ def _heartbeats(t, stop: threading.Event, period_s=0.05):
 def test_heartbeat_only_client_does_not_delay_a_robots_ready(kind):
     """A client that only heart-beats holds no robot back (its own session), and is ended with
     [timeout] once it has said no Hello for hello_timeout_s."""
-    br = Bridge(kind, SessionLimits(max_sessions=4, hello_timeout_s=1.5))
+    br = Bridge(kind, SessionLimits(max_sessions=4, hello_timeout_s=4.0))
     idler = br.open()
     stop = threading.Event()
     threading.Thread(target=_heartbeats, args=(idler, stop), daemon=True).start()
@@ -119,12 +119,11 @@ def test_heartbeat_only_client_does_not_delay_a_robots_ready(kind):
         time.sleep(0.3)  # the heart-beating client is connected first
         arm = KinematicArm()
         cl = RobotClient(arm, br.open(), ClientConfig(max_steps=10, stop_on_success=False, ready_timeout_s=10))
-        t0 = time.monotonic()
         cl.connect()
-        ready_s = time.monotonic() - t0
+        timeouts_at_ready = br.server.stats["timeouts"]
         res = cl.run_episode(0)
         cl.close()
-        assert ready_s <= 1.0, f"Ready took {ready_s:.2f} s beside a heartbeat-only client"
+        assert timeouts_at_ready == 0, "Ready came only after the heartbeat-only client was timed out"
         assert res.steps == 10 and len(res.latencies_s) >= 1  # chunks flowed
         err = _recv_until(idler, _is("error"), timeout=5)
         assert err.error.code == "timeout" and "Hello" in err.error.message
@@ -145,7 +144,7 @@ def test_robot_beyond_max_sessions_is_told_busy_or_waits(kind):
         t0 = time.monotonic()
         with pytest.raises(ConnectionError, match=r"\[busy\].*max_sessions=1"):
             second.connect()
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 5.0  # told at once, not after ready_timeout_s=10
         assert first.link_up  # the served robot is not disturbed
     finally:
         first.close()
@@ -314,11 +313,10 @@ def _free_port():
 def test_robot_without_server_says_so_in_one_line(transport, tmp_path):
     where = f"transport.address=127.0.0.1:{_free_port()}" if transport == "grpc" else "transport.domain_id=231"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "wmrl.cli", "robot", f"transport={transport}", where,
-                           "arm.kind=target", "reconnect.attempts=0", f"hydra.run.dir={tmp_path}"],
+                           "arm.kind=target", "reconnect.attempts=0", "transport.connect_timeout_s=0.7",
+                           f"hydra.run.dir={tmp_path}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False)
-    elapsed = time.monotonic() - t0
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert len(err) == 1, proc.stderr
@@ -326,5 +324,6 @@ def test_robot_without_server_says_so_in_one_line(transport, tmp_path):
     assert (where.split("=")[1] in err[0]) if transport == "grpc" else ("domain 231" in err[0])
     assert f"wmrl serve transport={transport}" in err[0]  # what to start / change
     assert "Traceback" not in proc.stdout + proc.stderr and "Error executing job" not in proc.stdout + proc.stderr
-    assert elapsed < 5.0, f"{elapsed:.1f} s to say there is no server"
+    # one try, waiting the configured connect timeout once (not doubled, not retried)
+    assert "within 0.7 s" in err[0], err[0]
     assert not (tmp_path / "episodes").exists()  # no empty EpisodeStore left behind

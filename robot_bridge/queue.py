@@ -8,6 +8,11 @@ is the execution rule of Black et al. 2025, "Real-Time Execution of Action Chunk
 Policies" (RTC). ``merge="naive"`` is the baseline that switches to the new chunk from its first
 action as if no time had passed (what synchronous chunk execution does when made asynchronous);
 it exists for the benchmark.
+
+With more than one request in flight (``robot_bridge.timing``) chunks may overlap and, with
+jitter, arrive out of order: the latency-aware merge writes a step only when the arriving chunk
+was computed from an observation no older than the one the queued action came from (its
+``start_step``), so the newest observation wins whatever the order of arrival.
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ import numpy as np
 class MergeResult:
     """What :meth:`ActionQueue.insert` did. ``skipped``: stale actions dropped (steps already
     executed); ``inserted``: actions now queued from the chunk; ``replaced``: queued actions it
-    overwrote; ``chunk_id``: id given to the chunk (returned with its actions by ``pop``)."""
+    overwrote; ``superseded``: actions not written because the step holds one of a newer chunk;
+    ``chunk_id``: id given to the chunk (returned with its actions by ``pop``)."""
 
     skipped: int
     inserted: int
     replaced: int
     chunk_id: int = -1
+    superseded: int = 0
 
 
 class ActionQueue:
@@ -46,6 +53,7 @@ class ActionQueue:
         self.merge = merge
         self._q: dict[int, np.ndarray] = {}
         self._src: dict[int, int] = {}  # step -> id of the chunk it came from
+        self._origin: dict[int, int] = {}  # step -> start_step of the chunk it came from
         self._lock = threading.Lock()
         self._next_chunk_id = 0
 
@@ -62,33 +70,43 @@ class ActionQueue:
         with self._lock:
             cid = self._next_chunk_id
             self._next_chunk_id += 1
-            for s in [s for s in self._q if s < next_step]:
-                del self._q[s], self._src[s]
+            self._drop_before(next_step)
             if self.merge == "naive":
                 replaced = len(self._q)
                 self._q.clear()
                 self._src.clear()
+                self._origin.clear()
                 for i in range(chunk.shape[0]):
                     self._q[next_step + i] = chunk[i]
                     self._src[next_step + i] = cid
+                    self._origin[next_step + i] = start_step
                 return MergeResult(skipped=0, inserted=chunk.shape[0], replaced=replaced, chunk_id=cid)
             skipped = max(0, min(chunk.shape[0], next_step - start_step))
-            replaced = 0
+            replaced = superseded = 0
             for i in range(skipped, chunk.shape[0]):
                 s = start_step + i
+                if self._origin.get(s, start_step) > start_step:
+                    superseded += 1
+                    continue
                 replaced += s in self._q
                 self._q[s] = chunk[i]
                 self._src[s] = cid
-            return MergeResult(skipped=skipped, inserted=chunk.shape[0] - skipped, replaced=replaced, chunk_id=cid)
+                self._origin[s] = start_step
+            return MergeResult(skipped=skipped, inserted=chunk.shape[0] - skipped - superseded, replaced=replaced,
+                               chunk_id=cid, superseded=superseded)
+
+    def _drop_before(self, step: int) -> None:
+        for s in [s for s in self._q if s < step]:
+            del self._q[s], self._src[s], self._origin[s]
 
     def pop(self, step: int) -> tuple[np.ndarray | None, int]:
         """Remove and return ``(action for step, chunk id)``, or ``(None, -1)`` if none is queued
         (the robot must hold). Entries for earlier steps are discarded."""
         with self._lock:
-            for s in [s for s in self._q if s < step]:
-                del self._q[s], self._src[s]
+            self._drop_before(step)
             a = self._q.pop(step, None)
             cid = self._src.pop(step, -1)
+            self._origin.pop(step, None)
             return a, cid
 
     def size(self, step: int) -> int:
@@ -112,3 +130,4 @@ class ActionQueue:
         with self._lock:
             self._q.clear()
             self._src.clear()
+            self._origin.clear()

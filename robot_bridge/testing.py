@@ -22,9 +22,11 @@ from wmrl.kernel.types import Obs, PolicySample
 class KinematicArm:
     """Point-mass end effector driven by delta commands, in real time or not.
 
-    proprio (``D_s = 9``): ee xyz (m), ``quat_wxyz`` (identity), then two "finger" values; the last
-    one is overwritten with the arm's clock ``t`` (s since reset) so that :class:`TrackingPolicy` can
-    follow a time reference.
+    proprio (``D_s = 9``): ee xyz (m), ``quat_wxyz`` (identity), then two "finger" values: the
+    gripper command and the arm's clock ``t`` (s since reset, advanced by ``dt`` per applied
+    command) so that :class:`TrackingPolicy` can follow a time reference; with
+    ``clock_in_proprio=False`` the last value is 0, so that an arm that does not move gives the
+    very same observation at every tick (the static scene of ``wmrl bench bridge``).
 
     Args:
         goal: ``(3,)`` target ee position (m).
@@ -32,6 +34,8 @@ class KinematicArm:
         image_size: ``(Hi, Wi)`` of the synthetic images.
         cameras: camera names.
         step_time_s: simulated compute per step (sleep), to mimic a simulator.
+        clock_in_proprio: put the clock in ``proprio[-1]`` (else 0).
+        grip: gripper command before the first command (-1 open).
     """
 
     action_dim = 7
@@ -39,7 +43,8 @@ class KinematicArm:
 
     def __init__(self, goal=(0.1, 0.0, 0.1), start=(0.0, 0.0, 0.0), tol: float = 0.02, pos_scale: float = 0.05,
                  image_size=(16, 16), cameras=("agentview", "robot0_eye_in_hand"), task: str = "reach the goal",
-                 task_name: str = "reach", step_time_s: float = 0.0, dt: float = 0.05):
+                 task_name: str = "reach", step_time_s: float = 0.0, dt: float = 0.05,
+                 clock_in_proprio: bool = True, grip: float = -1.0):
         self.goal = np.asarray(goal, np.float64)
         self.start = np.asarray(start, np.float64)
         self.tol = tol
@@ -50,12 +55,14 @@ class KinematicArm:
         self.task_name = task_name
         self.step_time_s = step_time_s
         self.dt = dt
+        self.clock_in_proprio = bool(clock_in_proprio)
+        self.grip0 = float(grip)
         self.lock = threading.Lock()
         self.reset()
 
     def reset(self) -> None:
         self.pos = self.start.copy()
-        self.grip = -1.0
+        self.grip = self.grip0
         self.t = 0.0
         self.stopped = False
         self.applied: list[np.ndarray] = []
@@ -63,7 +70,8 @@ class KinematicArm:
 
     def observe(self):
         with self.lock:
-            p = np.concatenate([self.pos, [1.0, 0.0, 0.0, 0.0], [self.grip, self.t]]).astype(np.float32)
+            clock = self.t if self.clock_in_proprio else 0.0
+            p = np.concatenate([self.pos, [1.0, 0.0, 0.0, 0.0], [self.grip, clock]]).astype(np.float32)
             h, w = self.image_size
             v = np.clip((self.pos + 0.5) * 255, 0, 255).astype(np.uint8)
             img = np.broadcast_to(v.reshape(3, 1, 1), (3, h, w)).copy()
@@ -102,14 +110,18 @@ class TrackingPolicy(torch.nn.Module):
     ``scale * a_i = r_{i+1} - r_i + gain (r_i - p_i)`` with ``p_{i+1} = p_i + scale * a_i``,
     ``p_0 = p_s`` and ``r_i = r(t_s + i dt)``, ``t_s`` the arm's clock (``proprio[:, -1]``). Like a learned policy, each chunk starts
     from the state it saw, so executing it late (naive switching) replays motion already done.
-    ``D_a = 7``; actions ``float32 (B, H, 7)``."""
+    ``freq_hz=0``: a target that does not move (``r = c``). ``D_a = 7``; actions ``float32 (B, H, 7)``.
 
-    supports_rtc = False
+    Real-time chunking (``rtc=True``, the default): ``sample(obs, prefix=, delay=)`` keeps the
+    first ``d = min(delay, P)`` actions of the prefix ``(P, 7)`` (they run before the chunk
+    arrives, Black et al. 2025) and plans the rest from the position they lead to,
+    ``p_d = p_s + scale * sum(prefix[:d, :3])``: the exact inpainting of this deterministic plan."""
 
     def __init__(self, chunk_size: int = 16, radius: float = 0.05, freq_hz: float = 0.5, dt: float = 0.05,
-                 pos_scale: float = 0.05, center=(0.0, 0.0, 0.0), gain: float = 0.3):
+                 pos_scale: float = 0.05, center=(0.0, 0.0, 0.0), gain: float = 0.3, rtc: bool = True):
         super().__init__()
         self.chunk_size, self.action_dim = chunk_size, 7
+        self.supports_rtc = bool(rtc)
         self.gain = gain
         self.radius, self.freq, self.dt, self.scale = radius, freq_hz, dt, pos_scale
         self.center = torch.tensor(center, dtype=torch.float32)
@@ -119,17 +131,22 @@ class TrackingPolicy(torch.nn.Module):
         w = 2 * torch.pi * self.freq
         return self.center + self.radius * torch.stack([torch.sin(w * t), 1 - torch.cos(w * t), torch.zeros_like(t)], -1)
 
-    def sample(self, obs: Obs, generator=None) -> PolicySample:
+    def sample(self, obs: Obs, generator=None, prefix: torch.Tensor | None = None, delay: int = 0) -> PolicySample:
         t = obs.proprio[:, -1:].to(torch.float32)  # (B, 1)
         tau = t + self.dt * torch.arange(self.chunk_size + 1, dtype=torch.float32)[None]  # (B, H+1)
         ref = self.reference(tau)  # (B, H+1, 3)
         p = obs.proprio[:, :3].to(torch.float32)
         a = torch.zeros(obs.batch_size, self.chunk_size, 7)
-        for i in range(self.chunk_size):
+        d = 0
+        if prefix is not None and self.supports_rtc:
+            d = max(0, min(int(delay), prefix.shape[-2], self.chunk_size))
+            a[:, :d] = prefix[..., :d, :].to(torch.float32)
+            p = p + self.scale * a[:, :d, :3].sum(1)
+        for i in range(d, self.chunk_size):
             step = ref[:, i + 1] - ref[:, i] + self.gain * (ref[:, i] - p)
             a[:, i, :3] = torch.clamp(step / self.scale, -1, 1)
             p = p + self.scale * a[:, i, :3]
-        a[..., 6] = 1.0
+        a[:, d:, 6] = 1.0
         return PolicySample(a, torch.zeros(obs.batch_size))
 
     def log_prob(self, obs, sample):  # pragma: no cover - deterministic

@@ -12,7 +12,7 @@ The receiver answers with an ``Error`` envelope and keeps the connection up.
 
 Every numeric field is checked: float vectors (proprio, the real-time-chunking prefix, chunk
 actions) must be finite with ``|value| <= Limits.max_abs_value``; counts, sizes and steps must
-lie in their ranges (a prefix no longer than the chunk, ``delay_steps <= prefix_len``, a
+lie in their ranges (a prefix and a ``delay_steps`` no longer than the chunk, a
 ``Hello``'s image size and camera count within the image limits, times finite and ``>= 0``).
 """
 
@@ -182,22 +182,27 @@ def validate_observation(obs: pb.Observation, lim: Limits) -> None:
 
 def validate_prefix(obs: pb.Observation, lim: Limits) -> None:
     """The real-time-chunking prefix of a request: ``prefix_len`` rows of ``D_a`` finite values
-    of sane magnitude, at most the chunk length ``H``, and ``delay_steps <= prefix_len``.
+    of sane magnitude, at most the chunk length ``H``, and ``delay_steps <= H``.
+
+    ``delay_steps`` (the steps the robot expects to run before the chunk arrives) may exceed
+    ``prefix_len``: with requests in flight the server continues its own record of the chunks it
+    sent (``robot_bridge.plan``), which can reach further than the robot's committed actions; it
+    freezes at most the prefix it continues.
 
     Raises:
         MessageError: ``invalid``, saying which rule the prefix broke.
     """
     rid, p, n = obs.request_id, obs.prefix_len, len(obs.prefix_actions)
-    if obs.delay_steps > p:
-        raise MessageError("invalid", f"delay_steps={obs.delay_steps} exceeds prefix_len={p}: only actions "
-                           f"of the RTC prefix can be frozen", rid)
+    h = lim.chunk_size if lim.chunk_size is not None else lim.max_horizon
+    what = "the chunk length H" if lim.chunk_size is not None else "max_horizon"
+    if obs.delay_steps > h:
+        raise MessageError("invalid", f"delay_steps={obs.delay_steps} exceeds {what}={h}: at most a whole chunk "
+                           f"can run before the next one arrives", rid)
     if not p:
         if n:
             raise MessageError("invalid", f"prefix_actions has {n} values but prefix_len=0", rid)
         return
-    h = lim.chunk_size if lim.chunk_size is not None else lim.max_horizon
     if p > h:
-        what = "the chunk length H" if lim.chunk_size is not None else "max_horizon"
         raise MessageError("invalid", f"RTC prefix of prefix_len={p} actions is longer than {what}={h}; "
                            f"send at most {h} committed actions", rid)
     if lim.action_dim is not None and n != p * lim.action_dim:

@@ -8,7 +8,9 @@ and rejecting bad messages while the policy thinks; the first action of a chunk 
 (the client skips exactly the actions that are stale, see ``robot_bridge.queue``); protobuf only.
 
 Sessions. :meth:`PolicyServer.serve` serves one robot connection (a *session*: its own request
-queue, inference worker, heartbeat and timeouts); :meth:`PolicyServer.serve_endpoint` accepts
+queue, inference worker computing its requests in order, a delivery thread sending each chunk
+when its injected delay is over, its record of the chunks computed (``robot_bridge.plan``),
+heartbeat and timeouts; see ``robot_bridge.session``); :meth:`PolicyServer.serve_endpoint` accepts
 connections from a transport endpoint (``GrpcServer``, the ROS 2 server endpoint) and serves up
 to :attr:`SessionLimits.max_sessions` of them at once, each in its own thread, so a client that
 only sends heartbeats never delays another robot's ``Ready``. Inference of all sessions runs on
@@ -35,6 +37,8 @@ from wmrl.kernel.types import Obs
 log = logging.getLogger("robot_bridge.server")
 
 Envelope = M.Envelope
+DELAY_MODES = ("latency", "compute")
+_OWN = object()  # infer_timed: the request's own prefix
 
 
 def obs_from_message(o: M.pb.Observation) -> Obs:
@@ -53,27 +57,43 @@ class PolicyServer:
             ``policy.sample(obs, generator, prefix=, delay=)`` (real-time chunking, done by the
             policy: e.g. ``policies.rtc``) when ``rtc`` and ``policy.supports_rtc``; the server
             only passes the committed actions (controller units) and the delay in steps.
-        inference_delay_s: pads each inference to at least this long (benchmarks: simulate a
-            large policy); 0 = off.
+        inference_delay_s: injected delay per request (benchmarks: simulate a large policy or a
+            slow link); 0 = off. See ``delay_mode``.
         delay_jitter_s: uniform extra delay in ``[0, delay_jitter_s]``.
+        delay_mode: ``"latency"``: a chunk is sent ``inference_delay_s`` after its request was
+            received (or when computed, if later); the policy itself runs at once, so requests in
+            flight overlap their delays, as on a remote or pipelined (batching) inference server
+            or over a slow network. ``"compute"``: the delay pads the policy call and holds the
+            policy, so requests take turns, as one GPU busy for that long; then one chunk comes
+            per ``inference_delay_s`` at best, and beyond ``H / 2`` of delay no request timing
+            keeps the robot fed (the client's fallback decides).
         heartbeat_s: period of ``Heartbeat`` messages (the client's watchdog listens to them).
         limits: what is accepted from the robot (``action_dim`` and ``chunk_size`` are set from
             the policy).
         seed: generator seed for sampling.
         rtc: answer prefixed requests with real-time chunking (when the policy supports it).
 
+    Requests with ``delay_steps > 0`` are answered with a chunk that continues the session's
+    record of what it already computed for the robot (``robot_bridge.plan.SessionPlan``), so
+    requests sent while earlier ones are in flight stay consistent (real-time chunking).
+
     ``stats`` sums every session: ``requests``, ``chunks``, ``errors_sent``, ``rejected``,
-    ``inference_s`` (list), ``sessions`` (served), ``busy`` (refused), ``timeouts`` (ended).
+    ``inference_s`` (list: server-side time of each chunk, request received to chunk sent, s),
+    ``sessions`` (served), ``busy`` (refused), ``timeouts`` (ended).
     ``sessions`` lists one summary per ended session (see :meth:`serve`).
     """
 
     def __init__(self, policy: Any, *, inference_delay_s: float = 0.0, delay_jitter_s: float = 0.0,
-                 heartbeat_s: float = 0.1, limits: M.Limits | None = None, seed: int = 0, rtc: bool = True):
+                 heartbeat_s: float = 0.1, limits: M.Limits | None = None, seed: int = 0, rtc: bool = True,
+                 delay_mode: str = "latency"):
+        if delay_mode not in DELAY_MODES:
+            raise ValueError(f"delay_mode must be one of {DELAY_MODES}, got {delay_mode!r}")
         self.policy = policy
         self.action_dim = int(policy.action_dim)
         self.chunk_size = int(policy.chunk_size)
         self.inference_delay_s = float(inference_delay_s)
         self.delay_jitter_s = float(delay_jitter_s)
+        self.delay_mode = delay_mode
         self.heartbeat_s = float(heartbeat_s)
         lim = limits or M.Limits()
         self.limits = M.Limits(**{**lim.__dict__, "action_dim": self.action_dim, "chunk_size": self.chunk_size})
@@ -90,30 +110,45 @@ class PolicyServer:
 
     # ------------------------------------------------------------------ inference
     def infer(self, o: M.pb.Observation) -> np.ndarray:
-        """Actions ``float32 (H, D_a)`` for one observation message (padded to the injected delay);
-        see :meth:`infer_timed`."""
+        """Actions ``float32 (H, D_a)`` for one observation message (its own prefix and delay,
+        padded to the injected delay); see :meth:`infer_timed`."""
         a, self.last_inference_s = self.infer_timed(o)
         return a
 
-    def infer_timed(self, o: M.pb.Observation) -> tuple[np.ndarray, float]:
-        """``(actions float32 (H, D_a), inference time s)`` for one observation message; the time
-        is the policy call padded to the injected delay.
+    def injected_delay_s(self) -> float:
+        """The injected delay of one request (s): ``inference_delay_s`` plus its jitter."""
+        return self.inference_delay_s + (self.rng.uniform(0, self.delay_jitter_s) if self.delay_jitter_s else 0.0)
 
-        Holds the policy for the whole call (sessions take turns). Raises ``RuntimeError`` when
-        the policy returns another shape or a non-finite action.
+    def infer_timed(self, o: M.pb.Observation, prefix: Any = _OWN, delay: int | None = None,
+                    pad: bool = True) -> tuple[np.ndarray, float]:
+        """``(actions float32 (H, D_a), time s)`` for one observation message.
+
+        Args:
+            o: the request.
+            prefix: committed actions ``float32 (P, D_a)`` to continue (real-time chunking, when
+                :attr:`supports_prefix`), ``None`` for none; default: the message's own.
+            delay: prefix actions frozen (``min(delay, P)``); default: the message's ``delay_steps``.
+            pad: pad the policy call to the injected delay (holding the policy); else the time is
+                the policy call alone.
+
+        Holds the policy for the whole call (sessions take turns).
+
+        Raises:
+            RuntimeError: the policy returned another shape or a non-finite action.
         """
         obs = obs_from_message(o)
-        _, _, prefix = M.observation_arrays(o)
+        if prefix is _OWN:
+            prefix = M.observation_arrays(o)[2]
+        d = int(o.delay_steps if delay is None else delay)
         with self._policy_lock:
             t0 = time.perf_counter()  # inference = the policy call (padded to the injected delay)
-            if self.supports_prefix and prefix is not None:  # the policy's guidance may need autograd
+            if self.supports_prefix and prefix is not None and len(prefix):  # guidance may need autograd
                 actions = self.policy.sample(obs, generator=self.generator, prefix=torch.from_numpy(prefix),
-                                             delay=int(o.delay_steps)).actions
+                                             delay=min(d, len(prefix))).actions
             else:
                 with torch.no_grad():
                     actions = self.policy.sample(obs, generator=self.generator).actions
-            target = self.inference_delay_s + (self.rng.uniform(0, self.delay_jitter_s) if self.delay_jitter_s else 0.0)
-            rest = target - (time.perf_counter() - t0)
+            rest = (self.injected_delay_s() if pad else 0.0) - (time.perf_counter() - t0)
             if rest > 0:
                 time.sleep(rest)
             dt = time.perf_counter() - t0

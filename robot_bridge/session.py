@@ -1,10 +1,19 @@
 """One robot connection of a ``robot_bridge.server.PolicyServer`` (a *session*): its receive loop,
-inference worker and heartbeat threads, per-session counters and the hello / idle timeouts; and
-:class:`SessionLimits`, how the server shares its policy among connections.
+inference worker, delivery and heartbeat threads, per-session counters and the hello / idle
+timeouts; and :class:`SessionLimits`, how the server shares its policy among connections.
+
+Requests of a session are computed one at a time in the order they came (the inference worker),
+each continuing the session's record of the chunks it computed before (``robot_bridge.plan``:
+the RTC prefix of a request whose ``delay_steps > 0``); the delivery thread sends each chunk when
+its injected delay is over (``PolicyServer.delay_mode="latency"``: delays of requests in flight
+overlap) or at once (``"compute"``: the delay was spent holding the policy). A chunk's
+``inference_s`` is the server-side time from its request's arrival to its sending.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import queue
 import threading
@@ -13,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from robot_bridge import messages as M
+from robot_bridge.plan import SessionPlan
 
 if TYPE_CHECKING:
     from robot_bridge.server import PolicyServer
@@ -72,6 +82,10 @@ class Session:
         self.stats = {"requests": 0, "chunks": 0, "rejected": 0, "errors_sent": 0}
         self.said_hello = False
         self.ready: Envelope | None = None  # the answer to this session's Hello, once warmed up
+        self.plan = SessionPlan()
+        self._outbox: list[tuple[float, int, Envelope, float]] = []  # (due, seq, chunk, received at), a heap
+        self._outbox_cv = threading.Condition()
+        self._seq = itertools.count()
 
     def send(self, env: Envelope) -> None:
         with self.send_lock:
@@ -88,6 +102,7 @@ class Session:
 
     def run(self) -> dict:
         threads = [threading.Thread(target=self._worker, daemon=True, name="server-worker"),
+                   threading.Thread(target=self._deliver, daemon=True, name="server-delivery"),
                    threading.Thread(target=self._heartbeat, daemon=True, name="server-heartbeat")]
         for t in threads:
             t.start()
@@ -100,7 +115,8 @@ class Session:
                 t.join(timeout=1.0)
         if ended.startswith("timeout"):
             log.warning("session %s", ended)
-        return {**self.stats, "duration_s": time.monotonic() - t0, "ended": ended}
+        return {**self.stats, "duration_s": time.monotonic() - t0, "ended": ended,
+                "prefix_mismatches": self.plan.mismatches}
 
     def _receive(self, t0: float) -> str:
         """The receive loop; returns why the session ended."""
@@ -167,7 +183,7 @@ class Session:
                 self._reply(self.error, e.code, e.detail, e.request_id)
                 return
             self._count(requests=1)
-            self.work.put(o)
+            self.work.put((o, time.perf_counter()))
         elif k == "estop":
             log.warning("robot reported e-stop: %s", env.estop.reason)
         elif k == "error":
@@ -176,24 +192,64 @@ class Session:
             self._reply(self.error, "invalid", f"a policy server does not accept {k!r} messages")
 
     def _worker(self) -> None:
+        """Compute the requests in order; each chunk goes to the delivery thread."""
         srv = self.server
         while not self.done.is_set():
             try:
-                o = self.work.get(timeout=0.05)
+                o, t_recv = self.work.get(timeout=0.05)
             except queue.Empty:
                 continue
             try:
-                a, dt = srv.infer_timed(o)
-                with srv._stats_lock:
-                    srv.stats["inference_s"].append(dt)
-                self.send(M.make_chunk(actions=a, start_step=o.step, episode=o.episode, obs_stamp_ns=o.stamp_ns,
-                                       inference_s=dt, request_id=o.request_id))
-                self._count(chunks=1)
-            except (ConnectionError, OSError):
-                self.done.set()
+                prefix, delay = self._prefix(o)
+                latency = srv.delay_mode == "latency"
+                a, _ = srv.infer_timed(o, prefix=prefix, delay=delay, pad=not latency)
+                if srv.supports_prefix:
+                    self.plan.record(o.episode, o.step, a)
+                env = M.make_chunk(actions=a, start_step=o.step, episode=o.episode, obs_stamp_ns=o.stamp_ns,
+                                   request_id=o.request_id)
+                self._schedule(t_recv + (srv.injected_delay_s() if latency else 0.0), env, t_recv)
             except Exception as e:  # policy failure: report it, keep serving
                 log.exception("inference failed")
                 self._reply(self.error, "internal", f"inference failed: {e}", o.request_id)
+
+    def _prefix(self, o: M.pb.Observation):
+        """``(prefix float32 (P, D_a) or None, delay)`` to answer ``o`` with: with ``delay_steps > 0``
+        the session's record continued by the robot's committed actions (``SessionPlan.compose``),
+        else the request's own prefix; ``None`` when the policy does no real-time chunking."""
+        srv = self.server
+        if not srv.supports_prefix:
+            return None, 0
+        own = M.observation_arrays(o)[2]
+        if o.delay_steps > 0:
+            prefix = self.plan.compose(o.episode, o.step, own, srv.chunk_size)
+            return prefix, min(int(o.delay_steps), 0 if prefix is None else len(prefix))
+        return own, 0
+
+    def _schedule(self, due: float, env: Envelope, t_recv: float) -> None:
+        with self._outbox_cv:
+            heapq.heappush(self._outbox, (due, next(self._seq), env, t_recv))
+            self._outbox_cv.notify()
+
+    def _deliver(self) -> None:
+        """Send each computed chunk at its due time (``time.perf_counter`` s), earliest first."""
+        srv = self.server
+        while not self.done.is_set():
+            with self._outbox_cv:
+                wait = 0.05 if not self._outbox else self._outbox[0][0] - time.perf_counter()
+                if wait > 0:
+                    self._outbox_cv.wait(min(wait, 0.05))
+                    continue
+                _, _, env, t_recv = heapq.heappop(self._outbox)
+            dt = time.perf_counter() - t_recv
+            env.chunk.inference_s = dt
+            try:
+                self.send(env)
+            except (ConnectionError, OSError):
+                self.done.set()
+                return
+            with srv._stats_lock:
+                srv.stats["inference_s"].append(dt)
+            self._count(chunks=1)
 
     def _heartbeat(self) -> None:
         while not self.done.wait(self.server.heartbeat_s):

@@ -70,7 +70,7 @@ def test_chunk_of_wrong_dimension_and_bad_values_rejected():
         M.decode(M.encode(nan), lim)
 
 
-@pytest.mark.parametrize("case", ["nan", "inf", "huge", "over_long", "not_rows", "delay_past_prefix", "no_len"])
+@pytest.mark.parametrize("case", ["nan", "inf", "huge", "over_long", "not_rows", "delay_past_chunk", "no_len"])
 def test_rtc_prefix_is_validated_like_every_numeric_field(case):
     lim = M.Limits(action_dim=D_A, chunk_size=16)
     prefix = {"nan": np.full((4, D_A), np.nan), "inf": np.full((4, D_A), -np.inf), "huge": np.full((4, D_A), 1e30),
@@ -78,13 +78,13 @@ def test_rtc_prefix_is_validated_like_every_numeric_field(case):
     env = _obs_env(prefix_actions=prefix.astype(np.float32), request_id=5)
     if case == "not_rows":
         env.observation.prefix_actions.append(0.0)
-    elif case == "delay_past_prefix":
-        env.observation.delay_steps = 5
+    elif case == "delay_past_chunk":
+        env.observation.delay_steps = 17
     elif case == "no_len":
         env.observation.prefix_len = 0
     why = {"nan": "RTC prefix .* NaN or inf", "inf": "RTC prefix .* NaN or inf", "huge": "magnitude 1e\\+30",
            "over_long": "prefix_len=17 actions is longer than the chunk length H=16",
-           "not_rows": "expected prefix_len\\*D_a=4\\*7", "delay_past_prefix": "delay_steps=5 exceeds prefix_len=4",
+           "not_rows": "expected prefix_len\\*D_a=4\\*7", "delay_past_chunk": "delay_steps=17 exceeds the chunk length H=16",
            "no_len": "28 values but prefix_len=0"}[case]
     with pytest.raises(M.MessageError, match=why) as e:
         M.decode(M.encode(env), lim)
@@ -92,6 +92,9 @@ def test_rtc_prefix_is_validated_like_every_numeric_field(case):
     ok = _obs_env(prefix_actions=np.full((16, D_A), 0.5, np.float32))
     ok.observation.delay_steps = 16
     M.decode(M.encode(ok), lim)  # a full-length prefix, every action frozen, is fine
+    ahead = _obs_env(prefix_actions=np.zeros((4, D_A), np.float32))
+    ahead.observation.delay_steps = 10  # past the robot's prefix: the server's record of chunks in flight
+    M.decode(M.encode(ahead), lim)
     over = _obs_env(prefix_actions=np.zeros((300, D_A), np.float32))
     with pytest.raises(M.MessageError, match="longer than max_horizon=256"):
         M.decode(M.encode(over), M.Limits())  # H unknown: the generic bound, named as such

@@ -183,7 +183,7 @@ BAD_PREFIXES = {
     "inf": (np.full((4, D_A), np.inf, np.float32), 1, "NaN or inf"),
     "huge": (np.full((4, D_A), 1e30, np.float32), 1, "magnitude 1e\\+30 > max_abs_value"),
     "over_long": (np.zeros((H + 1, D_A), np.float32), 1, f"prefix_len={H + 1} actions is longer than the chunk length H={H}"),
-    "delay_past_prefix": (np.zeros((2, D_A), np.float32), 3, "delay_steps=3 exceeds prefix_len=2"),
+    "delay_past_chunk": (np.zeros((2, D_A), np.float32), H + 1, f"delay_steps={H + 1} exceeds the chunk length H={H}"),
 }
 
 

@@ -148,7 +148,8 @@ def run_node(arm, transport, episodes: int, client_cfg: ClientConfig | None = No
     stops; SIGUSR1 is an e-stop (the arm stops at once, the episode is recorded as ``estop``);
     SIGUSR2 flags the current episode as an operator failure (``operator:operator``).
 
-    Returns a summary dict: per-episode outcome, starvation, latencies, time to first action;
+    Returns a summary dict: per-episode outcome, starvation, latencies, time to first action, the
+    fallback decided (``fallback``: ``""``, ``hold`` or ``slow``, with ``fallback_decision``);
     ``episodes_lost`` (indices of the episodes that did not run to completion, see
     :func:`robot_bridge.client.episode_ran`, or did not run at all), ``all_ran``, ``reconnects``
     (one row per reopened link: after which episode, seconds to ``Ready``) and ``gave_up`` (the
@@ -248,4 +249,7 @@ def _episode_row(i: int, arm, res: EpisodeResult, store_index: int | None) -> di
             "time_to_first_action_s": res.time_to_first_action_s,
             "latency_p50_ms": float(np.percentile(lat, 50) * 1e3) if lat.size else None,
             "latency_p99_ms": float(np.percentile(lat, 99) * 1e3) if lat.size else None,
-            "overruns": res.stats.get("overruns", 0), "stopped_at_s": res.stopped_at_s}
+            "overruns": res.stats.get("overruns", 0), "stopped_at_s": res.stopped_at_s,
+            "fallback": res.episode.info.get("fallback", ""), "fallback_decision": res.stats.get("fallback"),
+            "control_hz_effective": res.episode.info.get("control_hz_effective"),
+            "inflight_max": res.stats.get("inflight_max", 0)}

@@ -4,19 +4,27 @@ Each control tick ``k`` (period ``1 / control_hz``, absolute schedule; a tick th
 more than one period re-anchors the schedule and is counted in ``stats["overruns"]``, so a
 simulator slower than real time runs at its own pace instead of racing to catch up):
 
-1. observe; if the queued future (``ActionQueue.size(k)``) is at most the request threshold
-   (``max(request_threshold, ceil(latency / dt) + latency_margin_steps)``) and no request is in
-   flight, hand a chunk request to the sender thread (never blocks the tick), carrying the
-   committed actions as the real-time-chunking prefix and the estimated delay in steps;
-2. take the action for step ``k`` from the queue, or the robot's hold command when the queue is
+1. observe; when :class:`robot_bridge.timing.RequestTimer` says a request is due (timed from the
+   measured round trip so that its chunk arrives before the queued actions, those of the chunks
+   in flight included, run out; more than one in flight when the round trip exceeds what the
+   queue covers; never two for the same step), hand a chunk request to the sender thread (never
+   blocks the tick), carrying the committed actions as the real-time-chunking prefix and the
+   steps expected to run before its chunk arrives (``delay_steps``); the server continues its
+   own record of the chunks in flight (``robot_bridge.plan``);
+2. when the round-trip estimate says no request timing can keep up, decide the configured safe
+   behaviour once per episode (``fallback``: ``hold`` the rate and hold the robot on ticks
+   without an action, or ``slow`` the control rate by ``slow_factor``), recorded in the episode's
+   ``info["fallback"]``;
+3. take the action for step ``k`` from the queue, or the robot's hold command when the queue is
    dry (counted as starvation);
-3. clip it (:class:`robot_bridge.safety.SafetyFilter`) and apply it;
-4. stop at once on e-stop; hold when the server has been silent (no message, heartbeats
+4. clip it (:class:`robot_bridge.safety.SafetyFilter`) and apply it;
+5. stop at once on e-stop; hold when the server has been silent (no message, heartbeats
    included) for ``silence_hold_s``, and stop when the watchdog fires after ``watchdog_s``.
 
-A receiver thread merges arriving chunks into the queue (latency-aware: stale actions skipped)
-and measures the observation-to-command latency of each chunk (arrival in the queue minus the
-observation's capture time minus the server's reported inference time).
+A receiver thread merges arriving chunks into the queue (latency-aware: stale actions skipped,
+the newest observation wins) and measures each chunk's round trip (observation capture to
+arrival in the queue; it feeds the timer's estimate) and its observation-to-command latency (the
+round trip minus the server's reported time for it: transport, serialisation and scheduling).
 
 Links. :meth:`RobotClient.connect` opens one link (transport, sender and receiver threads,
 ``Hello`` / ``Ready``); a link ends when the transport reports the peer gone, when the server
@@ -30,7 +38,6 @@ episode. :func:`episode_ran` tells whether an episode ran to completion.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,11 +46,13 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import numpy as np
 
 from robot_bridge import messages as M
+from robot_bridge.client_config import ClientConfig
 from robot_bridge.client_link import ServerLink, _Link
 from robot_bridge.episode_log import EpisodeResult, StepLog, episode_ran, failure_source, percentile_or_none
 from robot_bridge.queue import ActionQueue
 from robot_bridge.reconnect import ReconnectPolicy, with_retry
 from robot_bridge.safety import SafetyFilter, SafetyLimits, Watchdog
+from robot_bridge.timing import Fallback, LatencyEstimate, RequestTimer
 
 __all__ = ["ClientConfig", "EpisodeResult", "ReconnectPolicy", "RobotClient", "RobotInterface", "episode_ran",
            "with_retry"]
@@ -81,45 +90,6 @@ class RobotInterface(Protocol):
 
     def success(self) -> bool:
         """Task success predicate on the current state."""
-
-
-@dataclass
-class ClientConfig:
-    """Settings of :class:`RobotClient`.
-
-    Attributes:
-        control_hz: control rate (Hz).
-        request_threshold: request the next chunk when at most this many actions are queued.
-        latency_margin_steps: extra steps over the measured latency for the threshold.
-        initial_latency_s: latency guess before the first chunk arrives.
-        merge: ``"latency_aware"`` or ``"naive"`` (see ``robot_bridge.queue``).
-        rtc_prefix: send committed actions as prefix when the server supports it.
-        watchdog_s: stop when the server is silent this long.
-        silence_hold_s: hold (stop consuming queued actions) when the server is silent this long
-            (default ``watchdog_s / 2``; the server heart-beats every 0.1 s).
-        ready_timeout_s: how long ``connect`` waits for ``Ready`` (the server's warm-up).
-        hello_retry_s: ``connect`` sends ``Hello`` again after this long while nothing at all was
-            heard from the server (a ROS 2 server that was discovered only after the first
-            ``Hello``, e.g. restarted, never saw it; a server answers a repeated ``Hello`` with
-            the same ``Ready``).
-        request_timeout_s: re-request when a request is unanswered this long.
-        max_steps: episode length limit (control steps).
-        stop_on_success: end the episode when the success predicate holds.
-    """
-
-    control_hz: float = 20.0
-    request_threshold: int = 8
-    latency_margin_steps: int = 2
-    initial_latency_s: float = 0.2
-    merge: str = "latency_aware"
-    rtc_prefix: bool = True
-    watchdog_s: float = 0.5
-    silence_hold_s: float | None = None
-    ready_timeout_s: float = 30.0
-    hello_retry_s: float = 1.0
-    request_timeout_s: float = 2.0
-    max_steps: int = 400
-    stop_on_success: bool = True
 
 
 class RobotClient(ServerLink):
@@ -160,9 +130,8 @@ class RobotClient(ServerLink):
         self._lock = threading.Lock()
         self._episode = 0
         self._next_step = 0
-        self._outstanding: tuple[int, float] | None = None  # (request_id, sent at)
-        self._request_id = 0
-        self._latency_est = self.cfg.initial_latency_s
+        self.timer: RequestTimer
+        self._new_timer(16)  # checks the settings now; connect() makes the link's own for the server's H
         self._latencies: list[float] = []
         self._round_trips: list[float] = []
         self._chunk_latency: dict[int, float] = {}
@@ -183,9 +152,10 @@ class RobotClient(ServerLink):
         self._operator_label = label
 
     # ------------------------------------------------------------------ control loop
-    def _threshold(self) -> int:
-        return max(self.cfg.request_threshold,
-                   math.ceil(self._latency_est / self.dt) + self.cfg.latency_margin_steps)
+    def _new_timer(self, chunk_size: int) -> None:
+        """A fresh request timer (cold latency estimate) for a new link (called by ``connect``)."""
+        with self._lock:
+            self.timer = RequestTimer(self.cfg.timing(chunk_size), LatencyEstimate(self.cfg.latency_window))
 
     def run_episode(self, episode: int = 0, max_steps: int | None = None) -> EpisodeResult:
         """Run one episode in real time (blocking) and return its record (also on faults)."""
@@ -221,7 +191,9 @@ class RobotClient(ServerLink):
         self._next_step = 0
         self.queue.clear()
         self.safety.reset()
-        self._outstanding = None
+        self.dt = 1.0 / self.cfg.control_hz
+        with self._lock:
+            self.timer.begin_episode(self.dt)
         self._operator_label = ""
         self._latencies, self._round_trips, self._chunk_latency = [], [], {}
 
@@ -254,6 +226,7 @@ class RobotClient(ServerLink):
         r = self.robot
         proprio, images = r.observe()
         self._request_if_due(episode, step, proprio, images, run.stats)
+        self._check_fallback(step, run)
         with self._lock:
             a, cid = self.queue.pop(step)
             self._next_step = step + 1  # the first step a chunk arriving now can still fill
@@ -287,28 +260,34 @@ class RobotClient(ServerLink):
         return False
 
     def _request_if_due(self, episode: int, step: int, proprio, images, stats: dict) -> None:
-        """Hand a chunk request (with the committed actions as the RTC prefix and the estimated
-        delay in steps) to the sender thread when the queued future is at most the threshold and
-        no request is in flight (or the last one timed out)."""
+        """Hand a chunk request to the sender thread when the timer says it is due (with the
+        committed actions as the RTC prefix and the steps expected to run before its chunk
+        arrives as ``delay_steps``; both only when the server does real-time chunking)."""
         with self._lock:
-            qsize = self.queue.size(step)
-            out = self._outstanding
-            need = qsize <= self._threshold() and (
-                out is None or time.monotonic() - out[1] > self.cfg.request_timeout_s)
-            if need:
-                self._request_id += 1
-                self._outstanding = (self._request_id, time.monotonic())
-                prefix = (self.queue.committed(step) if (self.cfg.rtc_prefix and self.ready.supports_prefix)
-                          else None)
-                rid = self._request_id
-        if not need:
-            return
-        delay = min(len(prefix) if prefix is not None else 0, math.ceil(self._latency_est / self.dt) + 1)
+            req = self.timer.due(step, step + self.queue.size(step) - 1, time.monotonic())
+            if req is None:
+                return
+            rtc = self.cfg.rtc_prefix and self.ready.supports_prefix and self.cfg.merge == "latency_aware"
+            prefix = self.queue.committed(step, self.timer.cfg.chunk_size) if rtc else None
         env = M.make_observation(episode=episode, step=step, proprio=proprio, images=images, task=self.robot.task,
-                                 request=True, request_id=rid, prefix_actions=prefix)
-        env.observation.delay_steps = delay
+                                 request=True, request_id=req.request_id, prefix_actions=prefix)
+        env.observation.delay_steps = req.delay_steps if rtc else 0
         self._post(env)
         stats["requests"] += 1
+
+    def _check_fallback(self, step: int, run: _Run) -> None:
+        """Take the timer's fallback decision (once per episode): ``slow`` lengthens the control
+        period from the next tick on; the decision goes into the episode record."""
+        with self._lock:
+            fb = self.timer.check_fallback(step)
+        if fb is None:
+            return
+        self.dt = 1.0 / fb.control_hz_after
+        run.fallback = fb
+        log.warning("round trip %.0f ms (%d steps) is too long for chunks of %d at %.3g Hz with %d in flight: "
+                    "fallback %s (%.3g Hz from step %d)", fb.latency_s * 1e3, fb.latency_steps,
+                    self.timer.cfg.chunk_size, fb.control_hz_before, self.timer.cfg.max_inflight, fb.mode,
+                    fb.control_hz_after, step)
 
     def _finish(self, episode: int, run: _Run) -> EpisodeResult:
         """The outcome (the critic's verdict on a timeout), ``EpisodeEnd`` to the server, the record."""
@@ -328,7 +307,14 @@ class RobotClient(ServerLink):
             "time_to_first_action_s": run.first_action_t, "stopped_at_s": run.stopped_at,
             "starved_after_first": run.starved_after, "latency_p50_s": percentile_or_none(self._latencies, 50),
             "latency_p99_s": percentile_or_none(self._latencies, 99),
-            "round_trip_p50_s": percentile_or_none(self._round_trips, 50), "overruns": stats["overruns"]})
+            "round_trip_p50_s": percentile_or_none(self._round_trips, 50), "overruns": stats["overruns"],
+            "fallback": run.fallback.mode if run.fallback else "",
+            "fallback_decision": run.fallback.as_dict() if run.fallback else None,
+            "control_hz_effective": 1.0 / self.dt, "max_inflight": self.timer.cfg.max_inflight})
+        with self._lock:
+            stats["inflight_max"] = self.timer.max_inflight_seen
+            stats["request_timeouts"] = self.timer.timeouts
+        stats["fallback"] = run.fallback.as_dict() if run.fallback else None
         first = run.first_action_t
         return EpisodeResult(episode=ep, success=success, failure_label=failure, steps=len(log_),
                              starved_after_first=run.starved_after,
@@ -351,3 +337,4 @@ class _Run:
     failure: str = ""
     success: bool = False
     stopped_at: float | None = None
+    fallback: Fallback | None = None

@@ -35,8 +35,8 @@ class _Link:
 
 class ServerLink:
     """Connection half of :class:`robot_bridge.client.RobotClient`; uses its ``robot``, ``cfg``,
-    ``queue``, ``watchdog``, ``transport_factory``, ``_lock`` and latency bookkeeping, and calls
-    its ``estop``."""
+    ``queue``, ``watchdog``, ``transport_factory``, ``_lock``, request ``timer`` and latency
+    bookkeeping, and calls its ``estop`` and ``_new_timer``."""
 
     # ------------------------------------------------------------------ connection
     @property
@@ -70,10 +70,12 @@ class ServerLink:
         for t in link.threads:
             t.start()
         try:
-            self.ready = self._handshake(link)
+            ready = self._handshake(link)
         except BaseException:
             self.drop_link()
             raise
+        self._new_timer(ready.chunk_size)  # a new link: a cold round-trip estimate
+        self.ready = ready
         self.watchdog.kick()
         return self.ready
 
@@ -162,9 +164,9 @@ class ServerLink:
                 link.heard.set()
                 self.watchdog.kick()  # the server is alive, it sent something
                 link.outbox.put(M.make_error(e))
-                with self._lock:
-                    if self._outstanding and e.request_id == self._outstanding[0]:
-                        self._outstanding = None
+                if e.request_id:
+                    with self._lock:
+                        self.timer.answered(e.request_id)
                 continue
             except (ConnectionError, OSError) as e:
                 link.end_reason = str(e)
@@ -190,24 +192,28 @@ class ServerLink:
             if env.error.code in ("busy", "timeout"):  # the server ended this session
                 link.ended = f"[{env.error.code}] {env.error.message}"
                 link.down.set()
-            with self._lock:
-                if self._outstanding and env.error.request_id == self._outstanding[0]:
-                    self._outstanding = None
+            if env.error.request_id:
+                with self._lock:
+                    self.timer.answered(env.error.request_id)
 
     def _on_chunk(self, c: M.pb.ActionChunk) -> None:
+        """Merge a chunk into the queue (latency-aware, the newest observation winning) and feed
+        its round trip (s) to the request timer's estimate; a chunk of another episode only does
+        the latter."""
         t_arrive = M.now_ns()
+        rt = (t_arrive - c.obs_stamp_ns) * 1e-9
+        with self._lock:
+            self.timer.answered(c.request_id)
+            self.timer.estimate.add(rt)
         if c.episode != self._episode:
             return
         a = M.chunk_array(c)
         with self._lock:
             res = self.queue.insert(a, int(c.start_step), self._next_step)
-            cid = res.chunk_id
-            if self._outstanding and self._outstanding[0] == c.request_id:
-                self._outstanding = None
-        rt = (t_arrive - c.obs_stamp_ns) * 1e-9
+        cid = res.chunk_id
         lat = rt - c.inference_s
         self._round_trips.append(rt)
         self._latencies.append(lat)
         self._chunk_latency[cid] = lat
-        self._latency_est = 0.7 * self._latency_est + 0.3 * rt if self._latencies[:-1] else rt
-        log.debug("chunk %d: start %d skipped %d latency %.2f ms", cid, c.start_step, res.skipped, lat * 1e3)
+        log.debug("chunk %d: start %d skipped %d superseded %d latency %.2f ms", cid, c.start_step, res.skipped,
+                  res.superseded, lat * 1e3)

@@ -47,6 +47,7 @@ def make_server(cfg: DictConfig, ctx: RunContext) -> PolicyServer:
     """A :class:`robot_bridge.server.PolicyServer` for the policy of ``cfg`` (``serve.yaml`` keys)."""
     return PolicyServer(build_policy(cfg, ctx), inference_delay_s=float(cfg.get("inference_delay_s", 0.0)),
                         delay_jitter_s=float(cfg.get("delay_jitter_s", 0.0)),
+                        delay_mode=str(cfg.get("delay_mode", "latency")),
                         heartbeat_s=float(cfg.get("heartbeat_s", 0.1)), seed=int(cfg.get("seed", 0)),
                         rtc=bool(cfg.get("rtc", True)),
                         limits=Limits(state_dim=cfg.get("state_dim"),

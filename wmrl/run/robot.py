@@ -146,9 +146,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     summary["transport"] = link.name
     summary["process"] = tuned
     for r in summary["episodes"]:
-        log.info("episode %d %s: success=%s label=%r steps=%d starved=%d ttfa=%.3fs p99=%s ms", r["episode"],
+        log.info("episode %d %s: success=%s label=%r steps=%d starved=%d ttfa=%.3fs p99=%s ms fallback=%s", r["episode"],
                  r["task"], r["success"], r["failure_label"], r["steps"], r["starved_after_first"],
-                 r["time_to_first_action_s"], r["latency_p99_ms"])
+                 r["time_to_first_action_s"], r["latency_p99_ms"], r["fallback"] or "-")
     return summary
 
 

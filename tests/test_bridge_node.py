@@ -222,7 +222,8 @@ import sys, time
 from pathlib import Path
 from wmrl.run.bench_bridge import _start_server_process
 from wmrl.run.bridge import link_by_name
-proc = _start_server_process(link_by_name("grpc").on_loopback(0), 0.0, 16, Path(sys.argv[1]), {"nice": None})
+proc = _start_server_process(link_by_name("grpc").on_loopback(0), 0.0, {"chunk_size": 16}, Path(sys.argv[1]),
+                             {"nice": None})
 print(proc.pid, flush=True)
 time.sleep(120)
 """

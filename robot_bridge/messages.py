@@ -215,7 +215,8 @@ def validate_prefix(obs: pb.Observation, lim: Limits) -> None:
 
 
 def validate_chunk(ch: pb.ActionChunk, lim: Limits) -> None:
-    """Shape (``D_a``, ``H``), values, ``start_step >= 0`` and a finite ``inference_s >= 0``.
+    """Shape (``D_a``, ``H``), values, ``start_step >= 0`` and finite times ``>= 0`` (``inference_s``,
+    ``queue_s``, ``compute_s``).
 
     Raises:
         MessageError: ``invalid``.
@@ -233,8 +234,10 @@ def validate_chunk(ch: pb.ActionChunk, lim: Limits) -> None:
     check_values(ch.actions, "action chunk", lim, rid)
     if ch.start_step < 0:
         raise MessageError("invalid", f"action chunk start_step={ch.start_step} is negative", rid)
-    if not (math.isfinite(ch.inference_s) and ch.inference_s >= 0):
-        raise MessageError("invalid", f"action chunk inference_s={ch.inference_s} is not a time >= 0", rid)
+    for name in ("inference_s", "queue_s", "compute_s"):
+        v = getattr(ch, name)
+        if not (math.isfinite(v) and v >= 0):
+            raise MessageError("invalid", f"action chunk {name}={v} is not a time >= 0", rid)
 
 
 def validate_hello(h: pb.Hello, lim: Limits) -> None:
@@ -311,13 +314,15 @@ def observation_arrays(o: pb.Observation) -> tuple[np.ndarray, dict[str, np.ndar
 
 
 def make_chunk(*, actions: np.ndarray, start_step: int, episode: int = 0, obs_stamp_ns: int = 0,
-               inference_s: float = 0.0, request_id: int = 0) -> pb.Envelope:
-    """Build a chunk envelope from ``actions`` ``float32 (H, D_a)``."""
+               inference_s: float = 0.0, request_id: int = 0, queue_s: float = 0.0,
+               compute_s: float = 0.0) -> pb.Envelope:
+    """Build a chunk envelope from ``actions`` ``float32 (H, D_a)`` (times in s, see ``bridge.proto``)."""
     a = np.asarray(actions, dtype=np.float32)
     if a.ndim != 2:
         raise ValueError(f"actions must be (H, D_a), got {a.shape}")
     c = pb.ActionChunk(episode=episode, start_step=start_step, obs_stamp_ns=obs_stamp_ns,
-                       horizon=a.shape[0], action_dim=a.shape[1], inference_s=inference_s, request_id=request_id)
+                       horizon=a.shape[0], action_dim=a.shape[1], inference_s=inference_s, request_id=request_id,
+                       queue_s=queue_s, compute_s=compute_s)
     c.actions.extend(a.reshape(-1).tolist())
     return pb.Envelope(chunk=c)
 

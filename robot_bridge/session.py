@@ -7,7 +7,10 @@ each continuing the session's record of the chunks it computed before (``robot_b
 the RTC prefix of a request whose ``delay_steps > 0``); the delivery thread sends each chunk when
 its injected delay is over (``PolicyServer.delay_mode="latency"``: delays of requests in flight
 overlap) or at once (``"compute"``: the delay was spent holding the policy). A chunk's
-``inference_s`` is the server-side time from its request's arrival to its sending.
+``inference_s`` is the server-side time from its request's arrival to its sending, ``compute_s``
+the time it held the policy, ``queue_s`` what waiting for the server added to ``inference_s``
+(``inference_s`` minus what it would have been with the server idle: ``max(injected delay,
+compute_s)`` in latency mode, ``compute_s`` in compute mode).
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ class Session:
         self.said_hello = False
         self.ready: Envelope | None = None  # the answer to this session's Hello, once warmed up
         self.plan = SessionPlan()
-        self._outbox: list[tuple[float, int, Envelope, float]] = []  # (due, seq, chunk, received at), a heap
+        self._outbox: list[tuple] = []  # heap of (due, seq, chunk, received at, server time if idle)
         self._outbox_cv = threading.Condition()
         self._seq = itertools.count()
 
@@ -202,12 +205,13 @@ class Session:
             try:
                 prefix, delay = self._prefix(o)
                 latency = srv.delay_mode == "latency"
-                a, _ = srv.infer_timed(o, prefix=prefix, delay=delay, pad=not latency)
+                a, compute_s = srv.infer_timed(o, prefix=prefix, delay=delay, pad=not latency)
                 if srv.supports_prefix:
                     self.plan.record(o.episode, o.step, a)
                 env = M.make_chunk(actions=a, start_step=o.step, episode=o.episode, obs_stamp_ns=o.stamp_ns,
-                                   request_id=o.request_id)
-                self._schedule(t_recv + (srv.injected_delay_s() if latency else 0.0), env, t_recv)
+                                   request_id=o.request_id, compute_s=compute_s)
+                injected = srv.injected_delay_s() if latency else 0.0
+                self._schedule(t_recv + injected, env, t_recv, max(injected, compute_s))
             except Exception as e:  # policy failure: report it, keep serving
                 log.exception("inference failed")
                 self._reply(self.error, "internal", f"inference failed: {e}", o.request_id)
@@ -225,9 +229,11 @@ class Session:
             return prefix, min(int(o.delay_steps), 0 if prefix is None else len(prefix))
         return own, 0
 
-    def _schedule(self, due: float, env: Envelope, t_recv: float) -> None:
+    def _schedule(self, due: float, env: Envelope, t_recv: float, idle_s: float) -> None:
+        """Send ``env`` at ``due`` (``perf_counter`` s); ``idle_s``: its server time had it found
+        the server idle (the rest is reported as ``queue_s``)."""
         with self._outbox_cv:
-            heapq.heappush(self._outbox, (due, next(self._seq), env, t_recv))
+            heapq.heappush(self._outbox, (due, next(self._seq), env, t_recv, idle_s))
             self._outbox_cv.notify()
 
     def _deliver(self) -> None:
@@ -239,9 +245,10 @@ class Session:
                 if wait > 0:
                     self._outbox_cv.wait(min(wait, 0.05))
                     continue
-                _, _, env, t_recv = heapq.heappop(self._outbox)
+                _, _, env, t_recv, idle_s = heapq.heappop(self._outbox)
             dt = time.perf_counter() - t_recv
             env.chunk.inference_s = dt
+            env.chunk.queue_s = max(0.0, dt - idle_s)
             try:
                 self.send(env)
             except (ConnectionError, OSError):

@@ -106,9 +106,11 @@ def test_transport_contract_messages_limits_and_hang_up(link):
             while time.monotonic() < t_end:
                 robot.recv(timeout=0.1)
         a = np.arange(16 * D_A, dtype=np.float32).reshape(16, D_A) / 100
-        conn.send(M.make_chunk(actions=a, start_step=11, obs_stamp_ns=got.stamp_ns, request_id=6))
+        conn.send(M.make_chunk(actions=a, start_step=11, obs_stamp_ns=got.stamp_ns, request_id=6, inference_s=0.5,
+                               queue_s=0.25, compute_s=0.125))
         ch = _recv_kind(robot, "chunk").chunk
         assert (ch.start_step, ch.request_id) == (11, 6)
+        assert (ch.inference_s, ch.queue_s, ch.compute_s) == (0.5, 0.25, 0.125)  # what the request timing reads
         np.testing.assert_allclose(M.chunk_array(ch), a, rtol=1e-6)
         robot.close()
         with pytest.raises(ConnectionError):

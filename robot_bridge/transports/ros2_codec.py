@@ -41,6 +41,14 @@ def _int(meta: dict, key: str, default: int | None = None) -> int:
         raise M.MessageError("malformed", f"header.frame_id lacks an integer {key!r}") from None
 
 
+def _float(meta: dict, key: str) -> float:
+    """``meta[key]`` as a float (0 when absent, as from an older server)."""
+    try:
+        return float(meta.get(key, 0.0))
+    except ValueError:
+        raise M.MessageError("malformed", f"header.frame_id has a non-numeric {key!r}") from None
+
+
 class Ros2Codec:
     """Mixin of :class:`robot_bridge.transports.ros2.Ros2Transport`: writes envelopes as ROS 2
     messages (``_send_observation``, ``_send_chunk``) and reads them back (the ``_on_*`` reader
@@ -76,7 +84,8 @@ class Ros2Codec:
                                      f"{d_a} joint_names", _int(meta, "req", 0))
         c = M.pb.ActionChunk(episode=_int(meta, "ep"), start_step=_int(meta, "step"),
                              obs_stamp_ns=R.ns_from_stamp(jt.header.stamp), horizon=len(jt.points), action_dim=d_a,
-                             inference_s=float(meta.get("inf", 0.0)), request_id=_int(meta, "req", 0))
+                             inference_s=_float(meta, "inf"), request_id=_int(meta, "req", 0),
+                             queue_s=_float(meta, "q"), compute_s=_float(meta, "c"))
         c.actions.extend([v for p in jt.points for v in p.positions])
         M.validate_chunk(c, self.limits)
         return M.Envelope(chunk=c)
@@ -104,7 +113,8 @@ class Ros2Codec:
         a = M.chunk_array(c).astype(np.float64)
         hdr = R.Header(stamp=R.stamp_from_ns(c.obs_stamp_ns),
                        frame_id=_meta_encode(self.frame, ep=c.episode, step=c.start_step, req=c.request_id,
-                                             inf=f"{c.inference_s:.6f}", to=key))
+                                             inf=f"{c.inference_s:.6f}", q=f"{c.queue_s:.6f}",
+                                             c=f"{c.compute_s:.6f}", to=key))
         pts = [R.JointTrajectoryPoint(positions=row.tolist(), time_from_start=self._dur(i)) for i, row in enumerate(a)]
         self._write(self.w_chunk, R.JointTrajectory(header=hdr, joint_names=self._names(a.shape[1]), points=pts))
 

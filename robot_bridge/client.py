@@ -284,10 +284,10 @@ class RobotClient(ServerLink):
             return
         self.dt = 1.0 / fb.control_hz_after
         run.fallback = fb
-        log.warning("round trip %.0f ms (%d steps) is too long for chunks of %d at %.3g Hz with %d in flight: "
-                    "fallback %s (%.3g Hz from step %d)", fb.latency_s * 1e3, fb.latency_steps,
-                    self.timer.cfg.chunk_size, fb.control_hz_before, self.timer.cfg.max_inflight, fb.mode,
-                    fb.control_hz_after, step)
+        log.warning("round trip %.0f ms (%d steps), %.0f ms of server time per request: no request timing keeps "
+                    "chunks of %d at %.3g Hz coming (up to %d in flight); fallback %s (%.3g Hz from step %d)",
+                    fb.latency_s * 1e3, fb.latency_steps, fb.compute_s * 1e3, self.timer.cfg.chunk_size,
+                    fb.control_hz_before, self.timer.cfg.max_inflight, fb.mode, fb.control_hz_after, step)
 
     def _finish(self, episode: int, run: _Run) -> EpisodeResult:
         """The outcome (the critic's verdict on a timeout), ``EpisodeEnd`` to the server, the record."""

@@ -18,8 +18,8 @@ class ClientConfig:
             (queued or in flight); the measured round trip raises it (``robot_bridge.timing``).
         latency_margin_steps: steps of safety between a chunk's expected arrival and the end of
             the actions (``m`` of ``robot_bridge.timing``).
-        initial_latency_s: round trip assumed before the first measurement (s); ``None``: the
-            longest one the schedule keeps up with (a request every 2 steps until one answers).
+        initial_latency_s: round trip assumed before the first measurement (s); ``None``: only
+            twice the age of the oldest request in flight (``robot_bridge.timing``).
         latency_window: round trips the estimate keeps (its second largest is the estimate).
         max_inflight: requests in flight at once.
         fallback: ``"hold"`` | ``"slow"``: what to do when the round trip is too long for any

@@ -198,13 +198,13 @@ class ServerLink:
 
     def _on_chunk(self, c: M.pb.ActionChunk) -> None:
         """Merge a chunk into the queue (latency-aware, the newest observation winning) and feed
-        its round trip (s) to the request timer's estimate; a chunk of another episode only does
-        the latter."""
+        its round trip, queue wait and compute time (s) to the request timer; a chunk of another
+        episode only does the latter."""
         t_arrive = M.now_ns()
         rt = (t_arrive - c.obs_stamp_ns) * 1e-9
         with self._lock:
             self.timer.answered(c.request_id)
-            self.timer.estimate.add(rt)
+            self.timer.measured(rt, c.queue_s, c.compute_s, t_arrive * 1e-9)
         if c.episode != self._episode:
             return
         a = M.chunk_array(c)

@@ -29,30 +29,37 @@ from wmrl.kernel.types import Obs, PolicySample
 H, DT, D_A, D_S = 16, 0.05, 7, 9
 
 
-def simulate(round_trip, steps=400, dt=DT, **cfg):
-    """Run the timer for ``steps`` ticks; the ``i``-th request's chunk arrives ``round_trip(i)`` s
-    after it was sent. Returns a dict: ``requests`` (step, delay_steps, in flight, supply left at
-    that step, R then), ``first`` (first step with an action), ``starved`` (steps after it without
-    one), ``fallback``, ``timer``, ``arrivals`` (step at which each measurement came in)."""
+def simulate(round_trip, steps=400, dt=DT, serial=False, **cfg):
+    """Run the timer for ``steps`` ticks. The ``i``-th request's chunk arrives ``round_trip(i)`` s
+    after it was sent (a server whose delays overlap), or, with ``serial``, ``round_trip(i)`` is
+    its compute time on a server that computes one request at a time (it reports its wait as
+    ``queue_s``). Returns a dict: ``requests`` (step, delay_steps, in flight, supply left at that
+    step), ``first`` (first step with an action), ``starved`` (steps after it without one),
+    ``fallback``, ``timer``, ``arrivals`` (step at which each chunk came in)."""
     timer = RequestTimer(TimingConfig(chunk_size=H, **cfg), LatencyEstimate(16))
     timer.begin_episode(dt)
     q = ActionQueue(1)
     pending, out = [], {"requests": [], "first": None, "starved": [], "fallback": None, "arrivals": []}
-    now = 0.0
+    now, server_free = 0.0, 0.0
     for k in range(steps):
         for p in sorted(p for p in pending if p[0] <= now):  # the receiver thread, between ticks
             pending.remove(p)
-            arrive, rid, s, sent = p
+            arrive, rid, s, sent, wait, compute = p
             timer.answered(rid)
-            timer.estimate.add(arrive - sent)
+            timer.measured(arrive - sent, wait, compute, arrive)
             q.insert(np.full((H, 1), s, np.float32), s, k)
             out["arrivals"].append(k)
         left = timer.supply_end(k + q.size(k) - 1, now) + 1 - k
-        r_now = timer.latency_steps()
         req = timer.due(k, k + q.size(k) - 1, now)
         if req is not None:
-            pending.append((now + round_trip(len(out["requests"])), req.request_id, k, now))
-            out["requests"].append((k, req.delay_steps, req.inflight, left, r_now))
+            c = round_trip(len(out["requests"]))
+            if serial:
+                start = max(now, server_free)
+                server_free = start + c
+                pending.append((server_free, req.request_id, k, now, start - now, c))
+            else:
+                pending.append((now + c, req.request_id, k, now, 0.0, 0.001))
+            out["requests"].append((k, req.delay_steps, req.inflight, left))
         fb = timer.check_fallback(k)
         if fb is not None:
             out["fallback"] = fb
@@ -83,10 +90,10 @@ def test_requests_go_out_when_the_estimate_says_they_must(latency):
     due_at = max(8, r + 1)
     assert res["first"] is not None and res["starved"] == []
     warm = [q for q in res["requests"] if q[0] > 60]
-    assert warm and all(left == due_at and delay == r for _, delay, _, left, _ in warm)
+    assert warm and all(left == due_at and delay == r for _, delay, _, left in warm)
     gaps = set(np.diff([q[0] for q in warm]))
     assert gaps == {H - due_at}
-    most_inflight = max(n for _, _, n, _, _ in warm)
+    most_inflight = max(n for _, _, n, _ in warm)
     assert most_inflight == math.ceil(r / (H - due_at))
     assert (most_inflight > 1) == (r + 1 > 8)
     assert res["fallback"] is None
@@ -124,7 +131,7 @@ def test_the_estimate_survives_one_slow_outlier_and_a_cold_first_call():
     res = simulate(lambda i: 2.0 if i == 30 else 0.403)
     r = _steps(0.403)
     after = [q for q in res["requests"] if q[0] > res["requests"][30][0]]
-    assert all(delay == r for _, delay, _, _, _ in after) and res["fallback"] is None
+    assert all(delay == r for _, delay, _, _ in after) and res["fallback"] is None
     assert set(np.diff([q[0] for q in after])) == {H - (r + 1)}
     # a cold first call (2 s) does not decide a fallback, and the robot is never without actions
     cold = simulate(lambda i: 2.0 if i == 0 else 0.403)
@@ -132,14 +139,32 @@ def test_the_estimate_survives_one_slow_outlier_and_a_cold_first_call():
     assert cold["timer"].estimate.value_s == pytest.approx(0.403)
 
 
-def test_before_the_first_measurement_requests_assume_a_long_round_trip():
-    """The cold assumption (the longest round trip the schedule keeps up with) sends a request
-    every 2 steps until the first chunk arrives, so a slow server still feeds the robot at once;
-    a fast one costs no extra request."""
+def test_before_the_first_measurement_a_long_wait_brings_the_next_request_forward():
+    """With no round trip measured yet, one taken to be twice the age of the oldest request in
+    flight: at 500 ms a second request goes out at step 5 (twice its age then exceeds what chunk 0
+    leaves), at most 3 are in flight before the first chunk, and the robot is never without an
+    action; a fast server costs no extra request."""
     slow = simulate(lambda i: 0.503)
-    assert [q[0] for q in slow["requests"][:4]] == [0, 2, 4, 6] and slow["starved"] == []
+    cold = [q for q in slow["requests"] if q[0] < slow["arrivals"][0]]
+    assert [q[0] for q in cold] == [0, 5, 7] and slow["starved"] == []
     fast = simulate(lambda i: 0.053)
     assert [q[0] for q in fast["requests"][:2]] == [0, 8]
+
+
+def test_a_server_that_computes_one_request_at_a_time_gets_no_standing_queue():
+    """On a serial server (one request at a time, its wait reported as ``queue_s``) the estimate
+    stays the round trip of an idle server, requests are not sent while the server is still busy
+    with earlier ones, and 300 ms of compute is kept up with; 500 ms is not (a chunk per 500 ms
+    of which 5 of 16 actions are still ahead): the fallback is decided, and ``slow`` keeps up."""
+    ok = simulate(lambda i: 0.3, serial=True)
+    assert ok["starved"] == [] and ok["fallback"] is None
+    assert ok["timer"].estimate.value_s == pytest.approx(0.3)
+    waits = [s for s, *_ in ok["requests"][3:]]
+    assert min(np.diff(waits)) >= ok["timer"].service_steps()
+    slow = simulate(lambda i: 0.5, serial=True, fallback="slow")
+    fb = slow["fallback"]
+    assert fb is not None and fb.compute_s == pytest.approx(0.5) and fb.keeps_up_after
+    assert [s for s in slow["starved"] if s > fb.step + 2 * H] == []
 
 
 @pytest.mark.parametrize("mode", ["hold", "slow"])

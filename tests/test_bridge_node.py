@@ -178,7 +178,7 @@ def test_flow_vla_rtc_matches_its_sampler_and_freezes_the_prefix():
 
 def test_serve_builds_the_policy_with_its_rtc_settings(tmp_path):
     from robot_bridge.testing import TrackingPolicy
-    from wmrl.run.bridge import build_policy, make_server
+    from wmrl.run.bridge import served_policy, make_server
 
     from omegaconf import OmegaConf
 
@@ -186,7 +186,7 @@ def test_serve_builds_the_policy_with_its_rtc_settings(tmp_path):
     cfg.policy = OmegaConf.create({"_target_": "policies.flow_vla.FlowVLAPolicy", "cameras": ["agentview"],
                                    "image_size": [16, 16], "chunk_size": 4, "head_width": 32, "head_depth": 1,
                                    "encoder": {"kind": "conv", "channels": [8], "out_dim": 16}})
-    pol = build_policy(cfg, RunContext(cfg, out_dir=tmp_path))
+    pol = served_policy(cfg, RunContext(cfg, out_dir=tmp_path))
     assert pol.rtc_beta == 2.5 and make_server(cfg, RunContext(cfg, out_dir=tmp_path)).supports_prefix
     cfg = _cfg("serve", ["rtc=false"])
     srv = make_server(cfg, RunContext(cfg, out_dir=tmp_path))

@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from wmrl.kernel.precision import resolve_bf16
 from wmrl.run.common import RunContext, run_main
-from wmrl.run.measure import bc_step_fn, build_policy, random_obs, time_ms
+from wmrl.run.measure import bc_step_fn, policy_for_bench, random_obs, time_ms
 
 log = logging.getLogger("wmrl.bench_policy")
 
@@ -44,7 +44,7 @@ log = logging.getLogger("wmrl.bench_policy")
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from policies.samplers import EulerODESampler, SDESampler
 
-    policy, trained = build_policy(cfg)
+    policy, trained = policy_for_bench(cfg)
     policy.eval()
     k = int(getattr(policy.sampler, "num_steps", 10))
     obs = random_obs(policy, 1)
@@ -101,7 +101,7 @@ def bc_rate_child(spec: dict) -> None:
 
     k, why = set_threads(spec["num_threads"])
     cfg = OmegaConf.create(spec["cfg"])
-    policy, _ = build_policy(cfg)
+    policy, _ = policy_for_bench(cfg)
     prec = resolve_bf16(spec["bf16"], "cpu", "BC")
     step = bc_step_fn(policy, int(spec["batch_size"]), prec.bf16, "cpu")
     for _ in range(3):

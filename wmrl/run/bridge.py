@@ -19,7 +19,7 @@ from wmrl.run.common import RunContext
 POLICY_MEMBERS = ("chunk_size", "action_dim", "sample", "supports_rtc")  # of wmrl.kernel.interfaces.Policy
 
 
-def build_policy(cfg: DictConfig, ctx: RunContext):
+def served_policy(cfg: DictConfig, ctx: RunContext):
     """The served policy: ``cfg.checkpoint`` (a folder) or ``instantiate(cfg.policy)``, in eval
     mode; a policy with ``supports_rtc`` gets ``rtc_beta = cfg.rtc_beta`` (its RTC guidance cap).
 
@@ -45,7 +45,7 @@ def build_policy(cfg: DictConfig, ctx: RunContext):
 
 def make_server(cfg: DictConfig, ctx: RunContext) -> PolicyServer:
     """A :class:`robot_bridge.server.PolicyServer` for the policy of ``cfg`` (``serve.yaml`` keys)."""
-    return PolicyServer(build_policy(cfg, ctx), inference_delay_s=float(cfg.get("inference_delay_s", 0.0)),
+    return PolicyServer(served_policy(cfg, ctx), inference_delay_s=float(cfg.get("inference_delay_s", 0.0)),
                         delay_jitter_s=float(cfg.get("delay_jitter_s", 0.0)),
                         delay_mode=str(cfg.get("delay_mode", "latency")),
                         heartbeat_s=float(cfg.get("heartbeat_s", 0.1)), seed=int(cfg.get("seed", 0)),

@@ -74,14 +74,10 @@ def pipeline_suite(cfg: DictConfig):
 
 
 def _stage_config(cfg: DictConfig, name: str) -> DictConfig:
-    """Stage ``name``'s config as the pipeline ``cfg`` composes it: its entry point's config with the
-    pipeline's ``stage_groups`` and ``stages.<name>`` merged on."""
-    from wmrl.run.stages import STAGE_CONFIGS, compose_stage_config
+    """Stage ``name``'s config as the pipeline ``cfg`` runs it (``stages.<name>`` merged on)."""
+    from wmrl.run.stages import stage_config
 
-    conf, groups = STAGE_CONFIGS[name]
-    over = OmegaConf.to_container(cfg.stages.get(name) or {}, resolve=True)
-    return compose_stage_config(conf, over,
-                                groups=groups + [str(x) for x in ((cfg.get("stage_groups") or {}).get(name) or [])])
+    return stage_config(cfg, name, OmegaConf.to_container(cfg.stages.get(name) or {}, resolve=True))
 
 
 def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None, suite=None) -> dict[str, float]:
@@ -121,10 +117,10 @@ def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None, su
 def _time_bc(cfg: DictConfig, suite, out: dict[str, float]):
     """``bc_step_s`` and ``policy_per_env_s`` into ``out``; returns the (eval-mode) policy."""
     from wmrl.kernel.precision import resolve_bf16
-    from wmrl.run.measure import bc_step_fn, build_policy, random_obs
+    from wmrl.run.measure import bc_step_fn, policy_for_bench, random_obs
 
     bc = _stage_config(cfg, "bc")
-    policy, _ = build_policy(OmegaConf.create({"policy": OmegaConf.to_container(bc.policy, resolve=True),
+    policy, _ = policy_for_bench(OmegaConf.create({"policy": OmegaConf.to_container(bc.policy, resolve=True),
                                                "cameras": list(suite.cameras), "image_size": list(suite.image_size),
                                                "state_dim": suite.state_dim, "action_dim": suite.action_space.dim}))
     b = int(bc.train.batch_size)

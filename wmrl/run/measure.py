@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 
-def build_policy(cfg: DictConfig):
+def policy_for_bench(cfg: DictConfig):
     """The benchmarked policy: ``cfg.checkpoint`` loaded, else ``cfg.policy`` built with random
     normalisation stats. Returns ``(policy, loaded_from_checkpoint)``."""
     if cfg.get("checkpoint"):

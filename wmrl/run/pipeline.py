@@ -53,8 +53,8 @@ from wmrl.run.stages import (
     apply_preset,
     check_stage_overrides,
     command_line_overrides,
-    compose_stage_config,
     module_run,
+    stage_config,
     to_container,
 )
 
@@ -139,9 +139,7 @@ class _Job:
 
     def config(self, stage: str, overrides: dict) -> DictConfig:
         """The stage's entry-point config (``STAGE_CONFIGS``) with the pipeline's groups and ``overrides``."""
-        name, always = STAGE_CONFIGS[stage]
-        groups = self.cfg.get("stage_groups") or {}
-        return compose_stage_config(name, overrides, groups=always + [str(x) for x in (groups.get(stage) or [])])
+        return stage_config(self.cfg, stage, overrides)
 
     def run_entry(self, stage: str, cfg: DictConfig, module: str | None = None) -> dict:
         """Run stage ``stage`` as the ``run()`` of its entry point (``module``, else ``STAGE_CONFIGS``'s)."""

@@ -46,6 +46,15 @@ def to_container(x):
     return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
 
 
+def stage_config(cfg: DictConfig, stage: str, overrides: dict | DictConfig | None = None) -> DictConfig:
+    """Pipeline stage ``stage``'s config as the pipeline ``cfg`` composes it: its entry point's config
+    (``STAGE_CONFIGS``) with the groups it always gets, ``cfg.stage_groups.<stage>``, and
+    ``overrides`` merged on top."""
+    name, always = STAGE_CONFIGS[stage]
+    groups = cfg.get("stage_groups") or {}
+    return compose_stage_config(name, overrides, groups=always + [str(x) for x in (groups.get(stage) or [])])
+
+
 # stage -> (its entry point: config and wmrl.run module of that name, Hydra group selections it always gets);
 # bc_rollouts is the pipeline's own
 STAGE_CONFIGS: dict[str, tuple[str, list[str]]] = {
@@ -95,7 +104,6 @@ def check_stage_overrides(cfg: DictConfig) -> int:
     import difflib
 
     stages = OmegaConf.to_container(cfg.get("stages") or {}, resolve=False)
-    groups = cfg.get("stage_groups") or {}
     errors: list[str] = []
     checked = 0
     for stage, over in stages.items():
@@ -104,9 +112,7 @@ def check_stage_overrides(cfg: DictConfig) -> int:
         if stage == "bc_rollouts":
             base, where = compose_stage_config("pipeline").stages.bc_rollouts, "configs/pipeline.yaml stages.bc_rollouts"
         elif stage in STAGE_CONFIGS:
-            name, g = STAGE_CONFIGS[stage]
-            base = compose_stage_config(name, groups=g + [str(x) for x in (groups.get(stage) or [])])
-            where = f"configs/{name}.yaml"
+            base, where = stage_config(cfg, stage), f"configs/{STAGE_CONFIGS[stage][0]}.yaml"
         else:
             errors.append(f"stages.{stage}: no such configurable stage (stages: bc_rollouts, {', '.join(STAGE_CONFIGS)})")
             continue

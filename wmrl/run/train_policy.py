@@ -25,7 +25,7 @@ from wmrl.run.common import RunContext, run_main
 log = logging.getLogger("wmrl.train_policy")
 
 
-def build_policy(policy_cfg: DictConfig | dict, store) -> object:
+def policy_for_store(policy_cfg: DictConfig | dict, store) -> object:
     """Instantiate ``policy_cfg`` with ``null`` fields filled from ``store.meta``."""
     pc = OmegaConf.to_container(policy_cfg, resolve=True) if OmegaConf.is_config(policy_cfg) else dict(policy_cfg)
     cams = store.cameras
@@ -86,7 +86,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     store = EpisodeStore.open(ctx.path(cfg.store), mode="r")
     if len(store) == 0:
         raise ValueError(f"the store {cfg.store} has no episodes")
-    policy = build_policy(cfg.policy, store).to(cfg.device)
+    policy = policy_for_store(cfg.policy, store).to(cfg.device)
     policy.set_norm_stats(store.stats())
 
     episodes = np.arange(len(store))

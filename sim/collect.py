@@ -17,7 +17,7 @@ def collect_episode(env: TaskEnv, suite: Suite, task: str, i: int, noise: float,
     """Run the scripted expert on training init state ``i % N_train`` of ``task``.
 
     Returns an ``Episode`` with ``T`` steps: images ``uint8 (T, 3, Hi, Wi)`` per camera, proprio
-    ``float32 (T, 9)``, actions ``float32 (T, 7)``, rewards ``float32 (T,)``, sim_states
+    ``float32 (T, 9)``, actions ``float32 (T, D_a)`` (the env's control), rewards ``float32 (T,)``, sim_states
     ``float64 (T, 1 + nq + nv)`` (state before each action), and ``info`` = task, init_index,
     split="train", seed, noise, rotation_noise, failure ("" / "timeout" / "dropped"). ``noise`` and
     ``rotation_noise`` are the ``ScriptedExpert``'s.
@@ -26,7 +26,7 @@ def collect_episode(env: TaskEnv, suite: Suite, task: str, i: int, noise: float,
     spec = suite.task(task)
     ep_seed = collect_seed(seed, task, i)
     env.reset(spec, suite.init_state(task, "train", start.init_index))
-    expert = ScriptedExpert(spec, noise, ep_seed, rotation_noise)
+    expert = ScriptedExpert(spec, noise, ep_seed, rotation_noise, env.control)
     imgs = {c: [] for c in env.cameras}
     prop, acts, rews, states = [], [], [], []
     success = terminated = False
@@ -70,6 +70,6 @@ def collect_episodes(suite: Suite, episodes_per_task: int, noise: float = 0.0, s
     for task in (tasks or suite.task_names):
         scene = suite.task(task).scene
         if scene not in envs:
-            envs[scene] = TaskEnv(scene, suite.cameras, suite.image_size, suite.render)
+            envs[scene] = TaskEnv(scene, suite.cameras, suite.image_size, suite.render, suite.control)
         for i in range(start_index, episodes_per_task):
             yield collect_episode(envs[scene], suite, task, i, noise, seed, rotation_noise)

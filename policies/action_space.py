@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from wmrl.kernel.types import PANDA_OSC_POSE, ActionSpace
+from wmrl.kernel.types import PANDA_EE_YAW, PANDA_OSC_POSE, ActionSpace
 
 #: The action spaces of the embodiments this project knows, declared once.
 #: ``panda``: robosuite Panda with ``OSC_POSE`` delta control (xyz and axis-angle deltas scaled to
 #: [-1, 1] in the base frame, gripper -1 open / +1 close).
+#: ``panda_ee``: the same arm with absolute end-effector targets and yaw (``sim.control.EeTargetControl``).
 EMBODIMENTS: dict[str, ActionSpace] = {
     "panda": PANDA_OSC_POSE,
+    "panda_ee": PANDA_EE_YAW,
 }
 
 
@@ -53,6 +55,9 @@ def clip_to_space(actions: torch.Tensor, space: ActionSpace) -> torch.Tensor:
     """Clip ``actions`` ``(..., D_a)`` to the declared range ``[space.low, space.high]``."""
     if actions.shape[-1] != space.dim:
         raise ValueError(f"actions have D_a={actions.shape[-1]} but the action space declares dim={space.dim}")
+    if isinstance(space.low, tuple) or isinstance(space.high, tuple):
+        low, high = space.bounds()
+        return torch.minimum(torch.maximum(actions, actions.new_tensor(low)), actions.new_tensor(high))
     return actions.clamp(min=space.low, max=space.high)
 
 

@@ -13,23 +13,25 @@ from wmrl.kernel.types import Episode
 
 
 def collect_episode(env: TaskEnv, suite: Suite, task: str, i: int, noise: float, seed: int,
-                    rotation_noise: float = 1.0) -> Episode:
+                    rotation_noise: float = 1.0, stop_on_success: bool = True) -> Episode:
     """Run the scripted expert on training init state ``i % N_train`` of ``task``.
 
     Returns an ``Episode`` with ``T`` steps: images ``uint8 (T, 3, Hi, Wi)`` per camera, proprio
-    ``float32 (T, 9)``, actions ``float32 (T, 7)``, rewards ``float32 (T,)``, sim_states
+    ``float32 (T, 9)``, actions ``float32 (T, D_a)`` (the env's control), rewards ``float32 (T,)``, sim_states
     ``float64 (T, 1 + nq + nv)`` (state before each action), and ``info`` = task, init_index,
     split="train", seed, noise, rotation_noise, failure ("" / "timeout" / "dropped"). ``noise`` and
-    ``rotation_noise`` are the ``ScriptedExpert``'s.
+    ``rotation_noise`` are the ``ScriptedExpert``'s. ``stop_on_success=False`` runs on past a
+    success to the step limit (or a failure), as an imagined rollout does: ``rewards`` (1 at every
+    successful step) then say when the task was done, ``success`` whether it ever was.
     """
     start = suite.train_start(task, i)
     spec = suite.task(task)
     ep_seed = collect_seed(seed, task, i)
     env.reset(spec, suite.init_state(task, "train", start.init_index))
-    expert = ScriptedExpert(spec, noise, ep_seed, rotation_noise)
+    expert = ScriptedExpert(spec, noise, ep_seed, rotation_noise, env.control)
     imgs = {c: [] for c in env.cameras}
     prop, acts, rews, states = [], [], [], []
-    success = terminated = False
+    success = terminated = ever = False
     while True:
         o = env.observe()
         for c in env.cameras:
@@ -40,8 +42,13 @@ def collect_episode(env: TaskEnv, suite: Suite, task: str, i: int, noise: float,
         r, success, terminated, truncated = env.step(a)
         acts.append(a)
         rews.append(r)
+        ever = ever or success
+        if not stop_on_success and success and not spec.failed(env.privileged()):
+            terminated = False
+            truncated = env.elapsed >= spec.max_steps
         if terminated or truncated:
             break
+    success = ever
     failure = "" if success else ("dropped" if terminated else "timeout")
     return Episode(
         images={c: np.stack(v) for c, v in imgs.items()},
@@ -59,7 +66,7 @@ def collect_episode(env: TaskEnv, suite: Suite, task: str, i: int, noise: float,
 
 def collect_episodes(suite: Suite, episodes_per_task: int, noise: float = 0.0, seed: int = 0,
                      tasks: Sequence[str] | None = None, start_index: int = 0,
-                     rotation_noise: float = 1.0) -> Iterator[Episode]:
+                     rotation_noise: float = 1.0, stop_on_success: bool = True) -> Iterator[Episode]:
     """Yield ``episodes_per_task`` expert episodes per task (task-major order), including failed
     ones (the critic needs them). Episode ``i`` of a task always uses train init state
     ``i % N_train`` and seed ``collect_seed(seed, task, i)``; ``start_index`` skips the first ones
@@ -70,6 +77,6 @@ def collect_episodes(suite: Suite, episodes_per_task: int, noise: float = 0.0, s
     for task in (tasks or suite.task_names):
         scene = suite.task(task).scene
         if scene not in envs:
-            envs[scene] = TaskEnv(scene, suite.cameras, suite.image_size, suite.render)
+            envs[scene] = TaskEnv(scene, suite.cameras, suite.image_size, suite.render, suite.control)
         for i in range(start_index, episodes_per_task):
-            yield collect_episode(envs[scene], suite, task, i, noise, seed, rotation_noise)
+            yield collect_episode(envs[scene], suite, task, i, noise, seed, rotation_noise, stop_on_success)

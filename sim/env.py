@@ -1,8 +1,10 @@
 """Single-task environment (:class:`TaskEnv`) and the batched chunk environment (:class:`SimEnv`).
 
 ``SimEnv`` implements ``wmrl.kernel.interfaces.ChunkEnv`` over ``B`` robosuite scenes stepped in process:
-* ``step(actions)`` takes ``float32 (B, H, D_a)`` actions (OSC_POSE delta, gripper -1 open / +1
-  close, see ``wmrl.kernel.types``). When a slot succeeds or fails (terminates) or reaches its step limit
+* ``step(actions)`` takes ``float32 (B, H, D_a)`` actions in the arm control's action space
+  (``sim.control``: OSC_POSE delta by default, or absolute end-effector targets; gripper -1 open /
+  +1 close, see ``wmrl.kernel.types``); ``info["clipped_steps"]`` counts, per slot, the executed
+  steps whose action the control clipped. When a slot succeeds or fails (terminates) or reaches its step limit
   (truncates) at inner step ``h``, that slot stops there: actions ``h+1..H-1`` are not executed and
   the reward of the executed steps is kept.
 * with ``auto_reset=True`` only finished slots are reset (to ``next_start(slot)``, by default the
@@ -22,12 +24,12 @@ import numpy as np
 import torch
 
 from sim import _backend
+from sim.control import OscDeltaControl
 from sim.render import RenderSettings, SceneRenderer
 from sim.scenes import make_scene
 from sim.tasks import TaskSpec, get_task
 from wmrl.kernel.types import AGENTVIEW, EYE_IN_HAND, Obs, Start, StepResult
 
-ACTION_DIM = 7
 STATE_DIM = 9
 
 _RENDERERS: dict = {}
@@ -59,15 +61,20 @@ class TaskEnv:
         cameras: camera names rendered by :meth:`observe` (may be empty).
         image_size: ``(Hi, Wi)`` of observation images.
         render: :class:`RenderSettings` (or a dict of them).
+        control: the arm control (``sim.control``; default :class:`sim.control.OscDeltaControl`).
     """
 
     def __init__(self, scene: str, cameras: Sequence[str] = (AGENTVIEW, EYE_IN_HAND),
-                 image_size: tuple[int, int] = (64, 64), render: RenderSettings | dict | None = None):
+                 image_size: tuple[int, int] = (64, 64), render: RenderSettings | dict | None = None,
+                 control=None):
         self.scene = scene
+        self.control = OscDeltaControl() if control is None else control
+        self.action_dim = int(self.control.action_space.dim)
+        self.clipped_steps = 0
         self.cameras = tuple(cameras)
         self.image_size = (int(image_size[0]), int(image_size[1]))
         self.render_settings = RenderSettings.from_any(render)
-        self.rs = make_scene(scene)
+        self.rs = make_scene(scene, controller_configs=self.control.controller_config())
         self.sim = self.rs.sim
         self.model = self.sim.model._model
         self.data = self.sim.data._data
@@ -100,13 +107,20 @@ class TaskEnv:
         self.sim.forward()
         self.task = task
         self.elapsed = 0
+        self.clipped_steps = 0
 
     def step(self, action: np.ndarray) -> tuple[float, bool, bool, bool]:
         """Execute one control step. Returns ``(reward, success, terminated, truncated)``:
         reward 1 on success else 0; terminated on success or failure; truncated at the step limit."""
         if self.task is None:
             raise RuntimeError("TaskEnv.step before reset")
-        self.rs.step(np.asarray(action, dtype=np.float64))
+        a = np.asarray(action, dtype=np.float64)
+        if a.shape != (self.action_dim,):
+            raise ValueError(f"TaskEnv.step expects an action ({self.action_dim},) of the {self.control.kind} "
+                             f"control, got shape {a.shape}")
+        cmd, clipped = self.control.to_command(a, *self.eef_pose())
+        self.clipped_steps += int(clipped)
+        self.rs.step(cmd)
         self.elapsed += 1
         s = self.privileged()
         success = self.task.success(s)
@@ -119,14 +133,18 @@ class TaskEnv:
         """Flattened MuJoCo state ``float64 (1 + nq + nv,)`` (time, qpos, qvel)."""
         return np.asarray(self.sim.get_state().flatten(), dtype=np.float64)
 
+    def eef_pose(self) -> tuple[np.ndarray, np.ndarray]:
+        """End-effector (grip site) position ``float64 (3,)`` (m) and rotation ``(3, 3)`` in the robot base frame."""
+        d = self.data
+        rb = d.xmat[self._base_body].reshape(3, 3)
+        pb = d.xpos[self._base_body]
+        return rb.T @ (d.site_xpos[self._eef_site] - pb), rb.T @ d.site_xmat[self._eef_site].reshape(3, 3)
+
     def proprio(self) -> np.ndarray:
         """``float32 (9,)``: eef position in the robot base frame (m), eef ``quat_wxyz`` in the base
         frame, the two gripper finger joint positions (m)."""
         d = self.data
-        rb = d.xmat[self._base_body].reshape(3, 3)
-        pb = d.xpos[self._base_body]
-        pos = rb.T @ (d.site_xpos[self._eef_site] - pb)
-        rot = rb.T @ d.site_xmat[self._eef_site].reshape(3, 3)
+        pos, rot = self.eef_pose()
         q = quat_wxyz_from_mat(rot)
         if q[0] < 0:
             q = -q
@@ -146,7 +164,8 @@ class TaskEnv:
     def privileged(self) -> dict:
         """Privileged world-frame state for success predicates and scripted experts:
         ``eef_pos (3,)``, ``eef_mat (3, 3)``, ``gripper_qpos (2,)``, ``objects[name] = {pos, quat_wxyz}``,
-        ``grasped[name]`` (both finger pads touch it), ``contact["red_green"]``."""
+        ``grasped[name]`` (both finger pads touch it), ``contact["red_green"]``, the robot base pose
+        ``base_pos (3,)``, ``base_mat (3, 3)``."""
         d = self.data
         objs = {}
         for k, bid in self.rs.body_ids.items():
@@ -157,7 +176,8 @@ class TaskEnv:
             contact["red_green"] = bool(self.rs.check_contact(self.rs.objects["red"], self.rs.objects["green"]))
         return {"eef_pos": d.site_xpos[self._eef_site].copy(), "eef_mat": d.site_xmat[self._eef_site].reshape(3, 3).copy(),
                 "gripper_qpos": d.qpos[self._grip_qpos].copy(), "objects": objs, "grasped": grasped,
-                "contact": contact, "elapsed": self.elapsed}
+                "contact": contact, "elapsed": self.elapsed,
+                "base_pos": d.xpos[self._base_body].copy(), "base_mat": d.xmat[self._base_body].reshape(3, 3).copy()}
 
 
 class SimEnv:
@@ -173,17 +193,17 @@ class SimEnv:
         device: where observation tensors are put.
         tasks: ``task_name -> TaskSpec`` resolving ``Start.task_name`` (``Suite.task``, which knows
             the suite's own task classes); default: the built-in ``sim.tasks.get_task``.
+        control: the arm control of every slot (``sim.control``; default OSC_POSE delta); it sets
+            ``action_dim`` and ``action_space``.
 
     Obs: images ``uint8 (B, 3, Hi, Wi)`` per camera, proprio ``float32 (B, 9)``, task = instructions.
     """
-
-    action_dim = ACTION_DIM
 
     def __init__(self, num_envs: int, init_states: Callable[[str, str, int], np.ndarray],
                  cameras: Sequence[str] = (AGENTVIEW, EYE_IN_HAND), image_size: tuple[int, int] = (64, 64),
                  render: RenderSettings | dict | None = None, auto_reset: bool = True,
                  next_start: Callable[[int], Start] | None = None, device: str | torch.device = "cpu",
-                 tasks: Callable[[str], TaskSpec] | None = None):
+                 tasks: Callable[[str], TaskSpec] | None = None, control=None):
         if int(num_envs) < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         self.num_envs = int(num_envs)
@@ -195,6 +215,9 @@ class SimEnv:
         self.next_start = next_start
         self.device = torch.device(device)
         self._tasks = get_task if tasks is None else tasks
+        self.control = OscDeltaControl() if control is None else control
+        self.action_space = self.control.action_space
+        self.action_dim = int(self.action_space.dim)
         self._envs: list[dict[str, TaskEnv]] = [dict() for _ in range(self.num_envs)]
         self._active: list[TaskEnv | None] = [None] * self.num_envs
         self._starts: list[Start | None] = [None] * self.num_envs
@@ -208,7 +231,7 @@ class SimEnv:
     def _env(self, slot: int, scene: str) -> TaskEnv:
         env = self._envs[slot].get(scene)
         if env is None:
-            env = TaskEnv(scene, self.cameras, self.image_size, self.render_settings)
+            env = TaskEnv(scene, self.cameras, self.image_size, self.render_settings, self.control)
             self._envs[slot][scene] = env
         return env
 
@@ -308,6 +331,7 @@ class SimEnv:
         trunc = np.zeros(B, bool)
         succ = np.zeros(B, bool)
         nexec = np.zeros(B, np.int64)
+        clipped = np.zeros(B, np.int64)
         was_finished = self._finished.copy()
         lengths = np.zeros(B, np.int64)
         for b in range(B):
@@ -315,6 +339,7 @@ class SimEnv:
             if self._finished[b]:
                 lengths[b] = env.elapsed
                 continue
+            clipped0 = env.clipped_steps
             for h in range(H):
                 r, s, te, tr = env.step(a[b, h])
                 reward[b] += r
@@ -328,13 +353,14 @@ class SimEnv:
             else:
                 succ[b] = env.task.success(env.privileged())
             lengths[b] = env.elapsed
+            clipped[b] = env.clipped_steps - clipped0
             self._obs[b] = env.observe()
         done = term | trunc
         self._finished |= done
         final_obs = self._batch_obs(self._obs)
         info = {"final_obs": final_obs, "finished": torch.from_numpy(was_finished),
                 "episode_length": torch.from_numpy(lengths),
-                "task_name": [e.task.name for e in self._active]}
+                "task_name": [e.task.name for e in self._active], "clipped_steps": torch.from_numpy(clipped)}
         if any(r is not None for r in self._record):
             info["frames"] = {b: list(self._frames[b]) for b in range(B) if self._record[b] is not None}
         if self.auto_reset and done.any():

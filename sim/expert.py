@@ -7,8 +7,8 @@ release / push), with a proportional law to the current waypoint: ``a_xyz = clip
 down, turned to the cube's nearest face.
 
 Suboptimality knob ``noise`` (>= 0; 0 = clean). The task's expert works with an effective level
-``e = noise * NOISE_SCALE[kind]`` (stacking is far more sensitive than lifting; the scales are
-calibrated so that ``noise = 0.6`` gives 30-60 % success on every task): correlated Gaussian action
+``e = noise * control.noise_scale[kind]`` (stacking is far more sensitive than lifting; each
+control's scales are calibrated so that its default noise gives 30-60 % success on every task): correlated Gaussian action
 noise (AR(1), coefficient 0.8, std ``e`` on the 3 position dims and ``rotation_noise * e`` on the 3
 rotation dims; ``rotation_noise = 1`` by default), a per-episode grasp offset with std
 ``0.02 e`` m in x/y (misgrasps), a per-episode approach-height error (std ``0.01 e`` m), and short
@@ -19,33 +19,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from sim.control import OscDeltaControl
 from sim.scenes import GREEN_HALF, RED_HALF, TABLE_TOP
 from sim.tasks import TaskSpec, get_task
 
 POS_SCALE = 0.05  # m per unit action (robosuite default OSC_POSE output_max)
 ROT_SCALE = 0.5  # rad per unit action
 OPEN, CLOSE = -1.0, 1.0
-NOISE_SCALE = {"lift": 0.68, "stack": 0.3, "push": 0.45}
-DOWN = np.array([[1.0, 0.0, 0.0], [0.0, -1.0, 0.0], [0.0, 0.0, -1.0]])  # gripper z pointing down
-
-
-def _rot_z(a: float) -> np.ndarray:
-    c, s = np.cos(a), np.sin(a)
-    return np.array([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]])
-
-
-def _axis_angle(r: np.ndarray) -> np.ndarray:
-    """Axis-angle vector of rotation matrix ``r``."""
-    cos = np.clip((np.trace(r) - 1.0) / 2.0, -1.0, 1.0)
-    ang = np.arccos(cos)
-    if ang < 1e-8:
-        return np.zeros(3)
-    v = np.array([r[2, 1] - r[1, 2], r[0, 2] - r[2, 0], r[1, 0] - r[0, 1]])
-    n = np.linalg.norm(v)
-    if n < 1e-8:  # ~180 deg: take the dominant column of r + I
-        w, u = np.linalg.eigh((r + np.eye(3)) / 2)
-        return u[:, -1] * ang
-    return v / n * ang
 
 
 def _yaw_of(quat_wxyz: np.ndarray) -> float:
@@ -70,13 +50,18 @@ class ScriptedExpert:
     +1 close).
     """
 
-    def __init__(self, task: TaskSpec | str, noise: float = 0.0, seed: int = 0, rotation_noise: float = 1.0):
+    def __init__(self, task: TaskSpec | str, noise: float = 0.0, seed: int = 0, rotation_noise: float = 1.0,
+                 control=None):
         self.task = get_task(task) if isinstance(task, str) else task
+        self.control = OscDeltaControl() if control is None else control
+        if self.task.kind not in self.control.noise_scale:
+            raise ValueError(f"the {self.control.kind} control has no expert noise scale for task kind "
+                             f"{self.task.kind!r} (known: {sorted(self.control.noise_scale)})")
         if noise < 0:
             raise ValueError(f"noise must be >= 0, got {noise}")
         if rotation_noise < 0:
             raise ValueError(f"rotation_noise must be >= 0, got {rotation_noise}")
-        self.noise = float(noise) * NOISE_SCALE[self.task.kind]
+        self.noise = float(noise) * self.control.noise_scale[self.task.kind]
         self._dim_scale = np.array([1.0, 1.0, 1.0] + [float(rotation_noise)] * 3)
         self.rng = np.random.default_rng(seed)
         self.phase = "above"
@@ -93,13 +78,9 @@ class ScriptedExpert:
         self._push_dir = None
 
     # ------------------------------------------------------------------ helpers
-    def _move(self, s, goal, gain=1.6, max_a=1.0, yaw=0.0) -> np.ndarray:
-        a = np.zeros(7)
-        a[:3] = np.clip(gain * (goal - s["eef_pos"]) / POS_SCALE, -max_a, max_a)
-        r_goal = _rot_z(yaw) @ DOWN
-        a[3:6] = np.clip(1.5 * _axis_angle(r_goal @ s["eef_mat"].T) / ROT_SCALE, -1.0, 1.0)
-        a[6] = self.grip
-        return a
+    def _move(self, s, goal, gain=1.6, max_a=1.0, yaw=0.0, hold=False) -> dict:
+        """The step's intent; :meth:`act` turns it into an action of the control's space."""
+        return dict(goal=goal, gain=gain, max_a=max_a, yaw=yaw, grip=self.grip, hold=hold)
 
     def _cube_yaw(self, s, name) -> float:
         y = _yaw_of(s["objects"][name]["quat_wxyz"])
@@ -110,22 +91,22 @@ class ScriptedExpert:
 
     # ------------------------------------------------------------------ policy
     def act(self, s: dict) -> np.ndarray:
+        """The action ``float32 (D_a,)`` of the control's space for privileged state ``s``."""
         kind = self.task.kind
-        a = self._lift_stack(s) if kind in ("lift", "stack") else self._push(s)
+        move = self._lift_stack(s) if kind in ("lift", "stack") else self._push(s)
         self.count += 1
+        n, still = np.zeros(6), False
         if self.noise > 0:
             self._n = 0.8 * self._n + np.sqrt(1 - 0.8 ** 2) * self.rng.normal(0.0, self.noise, 6)
             n = self._n * self._dim_scale
-            a[:6] = a[:6] + n
             if self._pause > 0:
                 self._pause -= 1
-                a[:6] = n * 0.2
+                still = True
             elif self.rng.random() < 0.05 * self.noise:
                 self._pause = int(self.rng.integers(1, 6))
-        a[:6] = np.clip(a[:6], -1.0, 1.0)
-        return a.astype(np.float32)
+        return self.control.waypoint_action(s, noise=n, still=still, **move)
 
-    def _lift_stack(self, s) -> np.ndarray:
+    def _lift_stack(self, s) -> dict:
         obj = self.task.obj
         half = RED_HALF if obj == "red" else GREEN_HALF
         p = s["objects"][obj]["pos"]
@@ -176,13 +157,11 @@ class ScriptedExpert:
             if self.count >= 6:
                 self._hold = eef.copy()
                 self._advance("retreat")
-            a = self._move(s, eef, yaw=gyaw)
-            a[:3] = 0.0
-            return a
+            return self._move(s, eef, yaw=gyaw, hold=True)
         # retreat
         return self._move(s, self._hold + np.array([0, 0, 0.08]), max_a=0.5, yaw=gyaw)
 
-    def _push(self, s) -> np.ndarray:
+    def _push(self, s) -> dict:
         c = s["objects"][self.task.obj]["pos"]
         t = s["objects"][self.task.goal]["pos"]
         eef = s["eef_pos"]
@@ -224,19 +203,21 @@ class ExpertActor:
     chunk_size = 1
     needs_images = False
 
-    def __init__(self, noise: float = 0.0, rotation_noise: float = 1.0, tasks=None):
+    def __init__(self, noise: float = 0.0, rotation_noise: float = 1.0, tasks=None, control=None):
         self.noise = float(noise)
+        self.control = OscDeltaControl() if control is None else control
         self.rotation_noise = float(rotation_noise)
         self._tasks = get_task if tasks is None else tasks  # task_name -> TaskSpec (Suite.task)
         self._experts: dict[int, ScriptedExpert] = {}
 
     def begin(self, slot: int, task_name: str, seed: int) -> None:
-        self._experts[slot] = ScriptedExpert(self._tasks(task_name), self.noise, seed, self.rotation_noise)
+        self._experts[slot] = ScriptedExpert(self._tasks(task_name), self.noise, seed, self.rotation_noise,
+                                             self.control)
 
     def act(self, env, obs, active) -> "torch.Tensor":
         import torch
 
-        out = np.zeros((env.num_envs, 1, 7), np.float32)
+        out = np.zeros((env.num_envs, 1, env.action_dim), np.float32)
         for b in range(env.num_envs):
             if active[b]:
                 out[b, 0] = self._experts[b].act(env.privileged(b))

@@ -1,6 +1,7 @@
 """Tabletop scenes for the Panda suite, built from robosuite parts (LIBERO builds its scenes the
 same way): a ``TableArena``, robosuite primitive objects, the Panda with its default gripper and
-robosuite's ``BASIC`` composite controller (``OSC_POSE``, delta, base frame, 20 Hz).
+robosuite's ``BASIC`` composite controller (``OSC_POSE``, base frame, 20 Hz; delta by default, the
+arm control of ``sim.control`` decides).
 
 A scene is only the world; tasks (``sim.tasks``) add an instruction, a success predicate and init
 states. Robosuite does no rendering here (``has_offscreen_renderer=False``): ``sim.render`` draws
@@ -123,7 +124,7 @@ def _scene_objects(scene: str) -> OrderedDict:
     return objects
 
 
-def controller_config() -> dict:
+def default_controller_config() -> dict:
     """Robosuite's default composite controller config of the Panda (``BASIC`` with ``OSC_POSE``
     delta in the base frame, output scaled to 5 cm / 0.5 rad per control step)."""
     _backend.robosuite()
@@ -136,8 +137,10 @@ def controller_config() -> dict:
     return cfg
 
 
-def make_scene(scene: str, control_freq: float = 20.0):
-    """A fresh ``TabletopScene`` (a robosuite ``ManipulationEnv``), already reset once."""
-    env = _scene_class()(scene, controller_configs=controller_config(), control_freq=control_freq)
+def make_scene(scene: str, control_freq: float = 20.0, controller_configs: dict | None = None):
+    """A fresh ``TabletopScene`` (a robosuite ``ManipulationEnv``), already reset once, running
+    ``controller_configs`` (default: :func:`default_controller_config`; see ``sim.control``)."""
+    cfg = default_controller_config() if controller_configs is None else controller_configs
+    env = _scene_class()(scene, controller_configs=cfg, control_freq=control_freq)
     env.reset()
     return env

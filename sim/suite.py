@@ -20,9 +20,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from sim import init_states as _init
+from sim.control import OscDeltaControl
 from sim.render import RenderSettings
 from sim.tasks import TASKS, TaskSpec, get_task
-from wmrl.kernel.types import AGENTVIEW, EYE_IN_HAND, PANDA_OSC_POSE, ActionSpace, Start
+from wmrl.kernel.types import AGENTVIEW, EYE_IN_HAND, ActionSpace, Start
 
 DEFAULT_TASKS = ("lift_red", "lift_green", "stack_red_on_green", "push_red_to_target")
 
@@ -38,18 +39,20 @@ class Suite:
         render: render effects, a dict of ``sim.render.RenderSettings`` fields.
         init_states_path: ``.npz`` of init states (default: the packaged ``sim/data/init_states.npz``).
         name: suite name for reports.
+        control: the arm control (``sim.control``; a Hydra ``_target_`` entry in the suite config):
+            :class:`sim.control.OscDeltaControl` (default) or :class:`sim.control.EeTargetControl`.
+            It decides ``action_space``.
 
     Raises:
         ValueError: unknown task, empty or duplicated task names, bad image size, unknown render setting.
     """
 
     fps = 20
-    action_space: ActionSpace = PANDA_OSC_POSE
     state_dim = 9
 
     def __init__(self, tasks: Sequence[str | TaskSpec] | None = None, cameras: Sequence[str] = (AGENTVIEW, EYE_IN_HAND),
                  image_size: Sequence[int] = (64, 64), render: dict | None = None,
-                 init_states_path: str | None = None, name: str = "default"):
+                 init_states_path: str | None = None, name: str = "default", control=None):
         names = list(tasks) if tasks is not None else list(DEFAULT_TASKS)
         if not names:
             raise ValueError("a suite needs at least one task")
@@ -67,6 +70,8 @@ class Suite:
         self.render = RenderSettings.from_any(render)
         self.init_states_path = str(init_states_path) if init_states_path else None
         self.name = name
+        self.control = OscDeltaControl() if control is None else control
+        self.action_space: ActionSpace = self.control.action_space
 
     # ------------------------------------------------------------------ tasks
     @property
@@ -112,20 +117,21 @@ class Suite:
 
         return SimEnv(num_envs, self.init_state, cameras=self.cameras if cameras is None else tuple(cameras),
                       image_size=self.image_size, render=self.render, auto_reset=auto_reset,
-                      next_start=next_start, device=device, tasks=self.task)
+                      next_start=next_start, device=device, tasks=self.task, control=self.control)
 
     def make_expert(self, noise: float = 0.0):
         """The scripted experts as an evaluation actor (``sim.expert.ExpertActor``)."""
         from sim.expert import ExpertActor
 
-        return ExpertActor(noise, tasks=self.task)
+        return ExpertActor(noise, tasks=self.task, control=self.control)
 
     def describe(self) -> dict:
         """JSON-able description for reports and store metadata."""
         return {"name": self.name, "tasks": {t.name: {"instruction": t.instruction, "scene": t.scene,
                                                       "max_steps": t.max_steps} for t in self.tasks},
                 "cameras": list(self.cameras), "image_size": list(self.image_size),
-                "render": dict(self.render.__dict__), "fps": self.fps}
+                "render": dict(self.render.__dict__), "fps": self.fps, "control": self.control.kind,
+                "action_space": self.action_space.to_dict()}
 
 
 def _as_task(t) -> TaskSpec:

@@ -27,10 +27,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("serve", "policy server for the robot bridge"),
     "refine": ("refine", "fine-tune the world model and critic on recorded failures and report the fidelity change"),
     "doctor": ("doctor", "what this machine has and wmrl will choose (precision, threads, renderer), and the pipeline's estimated time"),
-    "bench": ("bench", "benchmarks: `wmrl bench sim|imagination|policy|grpo|bridge`"),
+    "bench": ("bench", "benchmarks: `wmrl bench sim|imagination|policy|grpo|bridge|dynamics`"),
 }
 
-BENCHES = ("sim", "imagination", "policy", "grpo", "bridge")
+BENCHES = ("sim", "imagination", "policy", "grpo", "bridge", "dynamics")
 
 
 def _usage() -> str:

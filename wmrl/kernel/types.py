@@ -23,7 +23,8 @@ Units and conventions (decided once here, tested once)
   end-effector orientation ``quat_wxyz`` (4), gripper finger joint positions (m, 2).
 * Actions are what the controller takes, declared by :class:`ActionSpace`. The default suite uses
   robosuite's ``OSC_POSE`` in delta mode: xyz and axis-angle deltas scaled to [-1, 1], gripper
-  ``-1 = open, +1 = close``.
+  ``-1 = open, +1 = close`` (:data:`PANDA_OSC_POSE`); ``suite=ee`` takes absolute end-effector
+  targets ``(x, y, z, yaw, gripper)`` in the base frame (:data:`PANDA_EE_YAW`).
 * Quaternions are named by their order: ``quat_wxyz`` (MuJoCo), ``quat_xyzw`` (robosuite utils).
 """
 
@@ -49,10 +50,15 @@ class ActionSpace:
         controller: controller name, e.g. ``"OSC_POSE"``.
         mode: ``"delta"`` (relative to the current pose) or ``"absolute"``.
         frame: frame the translation / rotation are expressed in, e.g. ``"base"``.
-        rotation: rotation representation, e.g. ``"axis_angle"``.
+        rotation: rotation representation: ``"axis_angle"`` (3 dims), or ``"yaw_down"`` (1 dim, the
+            yaw in rad of a gripper held pointing down; roll and pitch are not commanded).
         gripper_open: the gripper command value that opens (``-1.0`` in robosuite).
         gripper_close: the gripper command value that closes (``+1.0`` in robosuite).
-        low, high: per-dimension declared range (the controller clips to it).
+        low, high: declared range (the controller clips to it): one value for every dimension, or
+            a tuple of ``dim`` values (JSON lists from a store or checkpoint become tuples).
+
+    Raises:
+        ValueError: a per-dimension range whose length is not ``dim``.
     """
 
     dim: int = 7
@@ -62,11 +68,31 @@ class ActionSpace:
     rotation: str = "axis_angle"
     gripper_open: float = -1.0
     gripper_close: float = 1.0
-    low: float = -1.0
-    high: float = 1.0
+    low: float | tuple[float, ...] = -1.0
+    high: float | tuple[float, ...] = 1.0
+
+    def __post_init__(self):
+        for name in ("low", "high"):
+            v = getattr(self, name)
+            if isinstance(v, (list, tuple, np.ndarray)):
+                v = tuple(float(x) for x in v)
+                if len(v) != self.dim:
+                    raise ValueError(f"ActionSpace.{name} has {len(v)} values, dim={self.dim}")
+            else:
+                v = float(v)
+            object.__setattr__(self, name, v)
+
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(low, high)`` as ``float64 (dim,)`` arrays."""
+        return (np.broadcast_to(np.asarray(self.low, np.float64), (self.dim,)).copy(),
+                np.broadcast_to(np.asarray(self.high, np.float64), (self.dim,)).copy())
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for name in ("low", "high"):
+            if isinstance(d[name], tuple):
+                d[name] = list(d[name])
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ActionSpace":
@@ -75,6 +101,13 @@ class ActionSpace:
 
 
 PANDA_OSC_POSE = ActionSpace()
+
+#: Absolute end-effector targets of the Panda suite (``sim.control.EeTargetControl``, ``suite=ee``):
+#: ``(x, y, z, yaw, gripper)``, position in the robot base frame (m) within the reachable part of the
+#: table, yaw in rad of the gripper held pointing down, gripper -1 open / +1 close.
+PANDA_EE_YAW = ActionSpace(dim=5, controller="OSC_POSE", mode="absolute", frame="base", rotation="yaw_down",
+                           low=(0.25, -0.35, -0.105, -float(np.pi), -1.0),
+                           high=(0.85, 0.35, 0.35, float(np.pi), 1.0))
 
 
 @dataclass

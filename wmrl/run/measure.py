@@ -92,11 +92,11 @@ def sim_rates(suite, task: str, cameras, render, steps: int, warmup: int) -> dic
     from sim.expert import ScriptedExpert
 
     spec = suite.task(task)
-    env = TaskEnv(spec.scene, cameras, suite.image_size, render)
+    env = TaskEnv(spec.scene, cameras, suite.image_size, render, suite.control)
     n, idx, t_total, t_render = 0, 0, 0.0, 0.0
     while n < steps + warmup:
         env.reset(spec, suite.init_state(task, "eval", idx % 50))
-        expert = ScriptedExpert(spec, 0.0, idx)
+        expert = ScriptedExpert(spec, 0.0, idx, control=suite.control)
         idx += 1
         while n < steps + warmup:
             t0 = time.perf_counter()

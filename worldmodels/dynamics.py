@@ -1,0 +1,154 @@
+"""Proprio dynamics: an ensemble of small MLPs that predicts the arm's proprio at every control step
+from the previous one and the action, with the commanded end-effector target as inductive bias.
+
+For one control step ``k`` of member ``m``::
+
+    tgt_k      = commanded position of action a_k           (absolute space: a_k[:3] clipped to a box of
+                                                             target_box_m around p_k; delta space:
+                                                             p_k + delta_scale_m * a_k[:3])
+    p_{k+1}    = tgt_k + 0.05 m * r_m[:3]                   (target + residual)
+    q_{k+1}    = normalize(q_k + 0.05 * r_m[3:7])
+    g_{k+1}    = g_k + 0.01 m * r_m[7:9]
+    r_m        = MLP_m((tgt_k - p_k) / 5 cm, (p_k - p_{k-1}) / 1 cm, q_k, g_k / 4 cm, (g_k - g_{k-1}) / 1 cm,
+                       the action's other dims (yaw error for ``rotation = yaw_down``))
+
+with ``p`` the end-effector position, ``q`` its ``quat_wxyz`` and ``g`` the finger joints (the proprio
+layout of ``wmrl.kernel.types``). Training unrolls the model over several chunks from a real start
+(:meth:`ProprioDynamics.loss`), so it learns to stay where the actions put the arm instead of one
+step's error; each member sees its own bootstrap mask of the batch. The members' disagreement (std
+of the predicted position, m) is the uncertainty an imagined rollout can halt on (MOReL, Kidambi et
+al. 2020; MOPO, Yu et al. 2020; the ensemble as in PETS, Chua et al. 2018).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from wmrl.kernel.types import ActionSpace
+
+POS_UNIT, VEL_UNIT, GRIP_UNIT = 0.05, 0.01, 0.04
+
+
+def _yaw_of_quat(q: torch.Tensor) -> torch.Tensor:
+    """Yaw (rad) of a gripper pointing down, from ``quat_wxyz`` ``(..., 4)``: ``atan2(R10, R00)``."""
+    w, x, y, z = q.unbind(-1)
+    return torch.atan2(2 * (x * y + w * z), 1 - 2 * (y * y + z * z))
+
+
+class EnsembleLinear(nn.Module):
+    """``K`` independent linear layers applied to ``(K, B, in)`` at once."""
+
+    def __init__(self, k: int, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(k, d_in, d_out))
+        self.bias = nn.Parameter(torch.zeros(k, 1, d_out))
+        bound = 1.0 / math.sqrt(d_in)
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.baddbmm(self.bias, x, self.weight)
+
+
+class ProprioDynamics(nn.Module):
+    """Ensemble proprio dynamics (see the module docstring).
+
+    Args:
+        action_space: the ``ActionSpace`` (or its dict) of the actions; ``mode`` ``"absolute"``
+            (position in the base frame = the commanded target) or ``"delta"`` (the target is the
+            current position plus ``delta_scale_m * a[:3]``).
+        state_dim: ``D_s`` (9: position, ``quat_wxyz``, two finger joints).
+        ensemble: ``K`` members.
+        hidden, depth: MLP width and number of hidden layers.
+        target_box_m: absolute targets are clipped to this box around the current position (m), as
+            the arm control clips them (``sim.control.EeTargetControl.max_step_m``).
+        delta_scale_m: metres per unit of a delta position action (robosuite OSC_POSE: 0.05).
+
+    Raises:
+        ValueError: ``state_dim != 9``, ``ensemble < 1``, or an action space whose mode is neither.
+    """
+
+    def __init__(self, action_space: ActionSpace | dict, state_dim: int = 9, ensemble: int = 5, hidden: int = 256,
+                 depth: int = 2, target_box_m: float = 0.05, delta_scale_m: float = 0.05):
+        super().__init__()
+        space = action_space if isinstance(action_space, ActionSpace) else ActionSpace.from_dict(dict(action_space))
+        if state_dim != 9:
+            raise ValueError(f"ProprioDynamics reads the 9-D proprio layout of wmrl.kernel.types, got state_dim={state_dim}")
+        if ensemble < 1:
+            raise ValueError(f"ensemble must be >= 1, got {ensemble}")
+        if space.mode not in ("absolute", "delta"):
+            raise ValueError(f"action space mode must be 'absolute' or 'delta', got {space.mode!r}")
+        self.space, self.k = space, int(ensemble)
+        self.target_box_m, self.delta_scale_m = float(target_box_m), float(delta_scale_m)
+        d_in = 3 + 3 + 4 + 2 + 2 + (space.dim - 3)
+        dims = [d_in] + [int(hidden)] * int(depth) + [9]
+        self.layers = nn.ModuleList(EnsembleLinear(self.k, a, b) for a, b in zip(dims[:-1], dims[1:]))
+        with torch.no_grad():  # start at "the arm is at the commanded target"
+            self.layers[-1].weight.mul_(0.01)
+
+    # ------------------------------------------------------------------ one step
+    def commanded(self, pos: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        """The commanded position ``(..., 3)`` (m, base frame) of ``action`` ``(..., D_a)`` at ``pos``."""
+        if self.space.mode == "absolute":
+            return torch.minimum(torch.maximum(action[..., :3], pos - self.target_box_m), pos + self.target_box_m)
+        return pos + self.delta_scale_m * action[..., :3]
+
+    def _other_action_dims(self, s: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        rest = action[..., 3:]
+        if self.space.rotation == "yaw_down":  # the yaw error, wrapped, in place of the yaw target
+            err = torch.remainder(rest[..., :1] - _yaw_of_quat(s[..., 3:7]).unsqueeze(-1) + math.pi, 2 * math.pi) - math.pi
+            rest = torch.cat([err, rest[..., 1:]], -1)
+        return rest
+
+    def step(self, s: torch.Tensor, s_prev: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        """Next proprio ``(K, B, 9)`` from ``s``, ``s_prev`` ``(K, B, 9)`` and ``action`` ``(B, D_a)`` (or ``(K, B, D_a)``)."""
+        a = action.expand(self.k, *action.shape[-2:]) if action.dim() == 2 else action
+        pos, q, g = s[..., :3], s[..., 3:7], s[..., 7:9]
+        tgt = self.commanded(pos, a)
+        x = torch.cat([(tgt - pos) / POS_UNIT, (pos - s_prev[..., :3]) / VEL_UNIT, q, g / GRIP_UNIT,
+                       (g - s_prev[..., 7:9]) / VEL_UNIT, self._other_action_dims(s, a)], -1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.nn.functional.silu(x)
+        q_next = q + 0.05 * x[..., 3:7]
+        q_next = q_next / q_next.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        return torch.cat([tgt + POS_UNIT * x[..., :3], q_next, g + 0.01 * x[..., 7:9]], -1)
+
+    # ------------------------------------------------------------------ rollouts
+    def rollout(self, s0: torch.Tensor, actions: torch.Tensor, s_prev0: torch.Tensor | None = None) -> torch.Tensor:
+        """Proprio after each of ``T`` steps, ``(K, B, T, 9)``, from ``s0`` ``(B, 9)`` (and the step
+        before it, ``s_prev0``; default ``s0``: at rest) under ``actions`` ``(B, T, D_a)``."""
+        s = s0.unsqueeze(0).expand(self.k, *s0.shape)
+        sp = s if s_prev0 is None else s_prev0.unsqueeze(0).expand(self.k, *s0.shape)
+        out = []
+        for t in range(actions.shape[1]):
+            s, sp = self.step(s, sp, actions[:, t]), s
+            out.append(s)
+        return torch.stack(out, 2)
+
+    def loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        """Unrolled loss of a window: ``batch["proprio"]`` ``float32 (B, T + 2, 9)`` (the step before
+        the start, the start, then ``T`` steps), ``batch["actions"]`` ``(B, T, D_a)`` (the actions
+        at the start and after), optional ``batch["mask"]`` ``(K, B)`` bootstrap weights.
+        Position error in cm, quaternion error x10, finger error in 5 mm units, squared and averaged."""
+        p, a = batch["proprio"], batch["actions"]
+        pred = self.rollout(p[:, 1], a, p[:, 0])
+        real = p[:, 2:].unsqueeze(0)
+        err = torch.cat([(pred[..., :3] - real[..., :3]) / 0.01, (pred[..., 3:7] - real[..., 3:7]) * 10,
+                         (pred[..., 7:9] - real[..., 7:9]) / 0.005], -1).pow(2).mean(-1)  # (K, B, T)
+        mask = batch.get("mask")
+        per = err.mean(-1) if mask is None else err.mean(-1) * mask
+        loss = per.sum() / (per.numel() if mask is None else mask.sum().clamp_min(1.0))
+        pos_cm = (pred[..., :3] - real[..., :3]).norm(dim=-1).mean(0)[:, -1].mean() * 100
+        return loss, {"loss": float(loss.detach()), "end_pos_err_cm": float(pos_cm.detach())}
+
+    @torch.no_grad()
+    def disagreement(self, states: torch.Tensor) -> torch.Tensor:
+        """Std over members of the predicted position (m), ``(B, T)``, of rollout states ``(K, B, T, 9)``."""
+        return states[..., :3].std(0).norm(dim=-1) if self.k > 1 else states.new_zeros(states.shape[1:3])
+
+
+__all__ = ["ProprioDynamics", "EnsembleLinear"]

@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export MUJOCO_GL="${MUJOCO_GL:-egl}" HF_HUB_OFFLINE=1
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=25 "$@"

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from robot_bridge.queue import StepOverlay
+
 
 class SessionPlan:
     """Per-step record of the actions a session computed for the current episode.
@@ -34,18 +36,15 @@ class SessionPlan:
     def __init__(self):
         self.episode: int | None = None
         self.last_step = -1
-        self._actions: dict[int, np.ndarray] = {}  # step -> action float32 (D_a,)
-        self._origin: dict[int, int] = {}  # step -> start step of the chunk it came from
+        self._steps = StepOverlay()  # the overlay of the chunks computed this episode, newest observation per step
         self.mismatches = 0  # committed actions of the robot that differed from the record
 
     def _begin(self, episode: int, step: int) -> None:
         if episode != self.episode or step <= self.last_step:
             self.episode = episode
-            self._actions.clear()
-            self._origin.clear()
+            self._steps.clear()
         self.last_step = step
-        for s in [s for s in self._actions if s < step]:
-            del self._actions[s], self._origin[s]
+        self._steps.drop_before(step)
 
     def compose(self, episode: int, step: int, committed: np.ndarray | None, horizon: int) -> np.ndarray | None:
         """The prefix ``float32 (P, D_a)`` a request of ``episode`` at control ``step`` continues:
@@ -56,7 +55,7 @@ class SessionPlan:
         n_c = 0 if committed is None else len(committed)
         out = []
         for i in range(int(horizon)):
-            a = self._actions.get(step + i)
+            a = self._steps.actions.get(step + i)
             if a is not None:
                 if i < n_c and not np.allclose(committed[i], a, atol=1e-5):
                     self.mismatches += 1
@@ -72,8 +71,4 @@ class SessionPlan:
         (after :meth:`compose` of its request); a step keeps the action of the newest chunk."""
         if int(episode) != self.episode:
             return
-        for i, a in enumerate(np.asarray(actions, np.float32)):
-            s = int(start_step) + i
-            if self._origin.get(s, start_step) <= start_step:
-                self._actions[s] = a
-                self._origin[s] = int(start_step)
+        self._steps.put(np.asarray(actions, np.float32), int(start_step))

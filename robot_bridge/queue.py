@@ -24,6 +24,47 @@ from typing import Literal
 import numpy as np
 
 
+class StepOverlay:
+    """Actions by control step from overlapping chunks, the newest observation winning per step: a
+    chunk computed for ``start_step`` writes step ``s`` unless it holds an action of a chunk with a
+    later ``start_step``. Not thread-safe (:class:`ActionQueue` locks around it); also the
+    server's record of what a session planned (``robot_bridge.plan``)."""
+
+    def __init__(self):
+        self.actions: dict[int, np.ndarray] = {}  # step -> action float32 (D_a,)
+        self.src: dict[int, int] = {}             # step -> id of the chunk it came from
+        self.origin: dict[int, int] = {}          # step -> start_step of the chunk it came from
+
+    def put(self, chunk: np.ndarray, start_step: int, first: int = 0, src: int = -1) -> tuple[int, int]:
+        """Write ``chunk[first:]`` (rows for steps ``start_step + first ..``) where it is the newest;
+        returns ``(replaced, superseded)``: queued actions it overwrote, rows not written."""
+        replaced = superseded = 0
+        for i in range(first, len(chunk)):
+            s = start_step + i
+            if self.origin.get(s, start_step) > start_step:
+                superseded += 1
+                continue
+            replaced += s in self.actions
+            self.actions[s], self.src[s], self.origin[s] = chunk[i], src, start_step
+        return replaced, superseded
+
+    def drop_before(self, step: int) -> None:
+        for s in [s for s in self.actions if s < step]:
+            del self.actions[s], self.src[s], self.origin[s]
+
+    def contiguous(self, step: int, n: int | None = None) -> list[np.ndarray]:
+        """The actions of steps ``step, step+1, ...`` up to the first gap (at most ``n``)."""
+        out = []
+        while step + len(out) in self.actions and (n is None or len(out) < n):
+            out.append(self.actions[step + len(out)])
+        return out
+
+    def clear(self) -> None:
+        self.actions.clear()
+        self.src.clear()
+        self.origin.clear()
+
+
 @dataclass
 class MergeResult:
     """What :meth:`ActionQueue.insert` did. ``skipped``: stale actions dropped (steps already
@@ -51,9 +92,7 @@ class ActionQueue:
             raise ValueError(f"merge must be 'latency_aware' or 'naive', got {merge!r}")
         self.action_dim = int(action_dim)
         self.merge = merge
-        self._q: dict[int, np.ndarray] = {}
-        self._src: dict[int, int] = {}  # step -> id of the chunk it came from
-        self._origin: dict[int, int] = {}  # step -> start_step of the chunk it came from
+        self._steps = StepOverlay()
         self._lock = threading.Lock()
         self._next_chunk_id = 0
 
@@ -70,64 +109,40 @@ class ActionQueue:
         with self._lock:
             cid = self._next_chunk_id
             self._next_chunk_id += 1
-            self._drop_before(next_step)
+            self._steps.drop_before(next_step)
             if self.merge == "naive":
-                replaced = len(self._q)
-                self._q.clear()
-                self._src.clear()
-                self._origin.clear()
-                for i in range(chunk.shape[0]):
-                    self._q[next_step + i] = chunk[i]
-                    self._src[next_step + i] = cid
-                    self._origin[next_step + i] = start_step
+                replaced = len(self._steps.actions)
+                self._steps.clear()
+                self._steps.put(chunk, next_step, src=cid)  # from its first action, as if no time had passed
                 return MergeResult(skipped=0, inserted=chunk.shape[0], replaced=replaced, chunk_id=cid)
             skipped = max(0, min(chunk.shape[0], next_step - start_step))
-            replaced = superseded = 0
-            for i in range(skipped, chunk.shape[0]):
-                s = start_step + i
-                if self._origin.get(s, start_step) > start_step:
-                    superseded += 1
-                    continue
-                replaced += s in self._q
-                self._q[s] = chunk[i]
-                self._src[s] = cid
-                self._origin[s] = start_step
+            replaced, superseded = self._steps.put(chunk, start_step, first=skipped, src=cid)
             return MergeResult(skipped=skipped, inserted=chunk.shape[0] - skipped - superseded, replaced=replaced,
                                chunk_id=cid, superseded=superseded)
-
-    def _drop_before(self, step: int) -> None:
-        for s in [s for s in self._q if s < step]:
-            del self._q[s], self._src[s], self._origin[s]
 
     def pop(self, step: int) -> tuple[np.ndarray | None, int]:
         """Remove and return ``(action for step, chunk id)``, or ``(None, -1)`` if none is queued
         (the robot must hold). Entries for earlier steps are discarded."""
         with self._lock:
-            self._drop_before(step)
-            a = self._q.pop(step, None)
-            cid = self._src.pop(step, -1)
-            self._origin.pop(step, None)
+            st = self._steps
+            st.drop_before(step)
+            a = st.actions.pop(step, None)
+            cid = st.src.pop(step, -1)
+            st.origin.pop(step, None)
             return a, cid
 
     def size(self, step: int) -> int:
         """Number of contiguous queued actions from ``step`` on."""
         with self._lock:
-            n = 0
-            while step + n in self._q:
-                n += 1
-            return n
+            return len(self._steps.contiguous(step))
 
     def committed(self, step: int, n: int | None = None) -> np.ndarray:
         """The queued actions for steps ``step, step+1, ...`` (contiguous, at most ``n``):
         ``float32 (P, D_a)``, ``P`` possibly 0. Sent as the real-time-chunking prefix."""
         with self._lock:
-            out = []
-            while step + len(out) in self._q and (n is None or len(out) < n):
-                out.append(self._q[step + len(out)])
+            out = self._steps.contiguous(step, n)
             return np.stack(out) if out else np.zeros((0, self.action_dim), np.float32)
 
     def clear(self) -> None:
         with self._lock:
-            self._q.clear()
-            self._src.clear()
-            self._origin.clear()
+            self._steps.clear()

@@ -128,8 +128,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     every = int(cfg.holdout_every)
     held = [e for i, e in enumerate(eps) if i % every == every - 1]
     train = [e for i, e in enumerate(eps) if i % every != every - 1]
+    expert_success = float(np.mean([e.success for e in eps]))
     log.info("%d train / %d held-out episodes of %s (%s), expert success %.2f", len(train), len(held), suite.name,
-             suite.control.kind, float(np.mean([e.success for e in eps])))
+             suite.control.kind, expert_success)
     torch.manual_seed(int(cfg.seed))
     model = ProprioDynamics(suite.action_space, **cfg.model)
     task = _DynamicsTask(model, train, int(cfg.chunk) * int(cfg.unroll_chunks), int(cfg.batch_size),
@@ -153,7 +154,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
              f"{gate['eight_chunk_cm']:.2f}" if gate["eight_chunk_cm"] is not None else "n/a",
              "passes" if gate["passes"] else "fails")
     return {"suite": suite.name, "control": suite.control.kind, "episodes": {"train": len(train), "held_out": len(held)},
-            "expert_success": float(np.mean([e.success for e in eps])), "horizons": table, "gate2": gate,
+            "expert_success": expert_success, "horizons": table, "gate2": gate,
             "plot": "paths.png"}
 
 

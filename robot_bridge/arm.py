@@ -218,9 +218,20 @@ def _operator_signals(client: RobotClient, on_term) -> dict:
     if threading.current_thread() is threading.main_thread():
         old[signal.SIGTERM] = signal.signal(signal.SIGTERM, on_term)
         # operator controls for a headless node: SIGUSR1 = e-stop, SIGUSR2 = flag the episode as failed
-        old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda *_: client.estop("operator signal"))
+        old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda *_: _estop_from_signal(client))
         old[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, lambda *_: client.flag_failure("operator"))
     return old
+
+
+def _estop_from_signal(client: RobotClient) -> threading.Thread:
+    """The SIGUSR1 handler. A handler runs in the main thread between two bytecodes, possibly while
+    that thread holds the robot's lock inside ``observe``/``apply``; calling ``robot.stop()`` there
+    (which takes the same lock) would deadlock the node. So the handler only starts a thread that
+    calls :meth:`RobotClient.estop`: the e-stop event is set at once and the robot is stopped as soon
+    as the interrupted call lets go of its lock (the control loop also stops it at the next tick)."""
+    t = threading.Thread(target=client.estop, args=("operator signal",), name="wmrl-estop", daemon=True)
+    t.start()
+    return t
 
 
 def _reconnect(client: RobotClient, policy: ReconnectPolicy | None, stop: threading.Event, episode: int,

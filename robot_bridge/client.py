@@ -86,7 +86,8 @@ class RobotInterface(Protocol):
         """The command that holds the robot still, given the last command (or ``None``)."""
 
     def stop(self) -> None:
-        """Stop now (brake / freeze); safe to call from any thread, more than once."""
+        """Stop now (brake / freeze); safe to call from any thread, more than once (it may block
+        while another thread is inside ``observe``/``apply``; never call it from a signal handler)."""
 
     def success(self) -> bool:
         """Task success predicate on the current state."""

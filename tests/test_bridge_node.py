@@ -251,3 +251,37 @@ def test_bench_policy_server_dies_with_a_killed_benchmark(tmp_path):
         parent.kill()
         if pid is not None and _alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_estop_signal_while_the_arm_holds_its_lock_does_not_deadlock():
+    """SIGUSR1 can arrive while the main thread is inside ``observe``/``apply`` holding the arm's
+    lock; the handler then runs in that same thread. It must set the e-stop at once and leave
+    ``robot.stop()`` (which takes the lock) to another thread, not wait for a lock its own thread holds
+    (that hung the node: the e-stop test above timed out on a loaded CI machine)."""
+    import threading
+
+    from robot_bridge.arm import _operator_signals
+    from robot_bridge.client import RobotClient
+    from robot_bridge.testing import KinematicArm
+
+    arm = KinematicArm()
+    client = RobotClient(arm, transport_factory=lambda: None)
+    old = _operator_signals(client, lambda *_: None)
+    rescue = threading.Timer(5.0, arm.lock.release)   # only if the handler blocks on the lock we hold
+    try:
+        arm.lock.acquire()   # the main thread is "inside apply()"
+        rescue.start()
+        os.kill(os.getpid(), signal.SIGUSR1)   # the handler runs in this thread, now
+        assert client._estop.wait(2.0), "the e-stop was not set while the arm's lock was held"
+        assert rescue.is_alive(), "the handler waited for the arm's lock held by its own thread"
+        assert not arm.stopped   # stop() waits for the interrupted call to let go of the lock ...
+        rescue.cancel()
+        arm.lock.release()
+        t0 = time.monotonic()
+        while not arm.stopped and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+        assert arm.stopped and client._estop_reason == "operator signal"   # ... then the arm stops
+    finally:
+        rescue.cancel()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

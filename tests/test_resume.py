@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fresh_procs import fresh_processes
 from grpo_fakes import GaussianChunkPolicy, NoisyToyEnv, toy_starts
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -173,22 +174,34 @@ def _bc_child(store_path: str, out: str) -> None:
     from policies.train import train_bc
 
     store = EpisodeStore.open(store_path, "r")
-    train_bc(fresh_policy(store), WindowDataset(store, n_obs=1, horizon=4), {**BC_CFG, "steps": 400, "ckpt_every": 25},
+    train_bc(fresh_policy(store), WindowDataset(store, n_obs=1, horizon=4), {**BC_CFG, "steps": 150, "ckpt_every": 25},
              out)
 
 
-def run_to_end(target, args: tuple) -> None:
-    """Run ``target(*args)`` in a fresh (spawned) process to its end."""
-    proc = mp.get_context("spawn").Process(target=target, args=args)
+def run_to_end(target, args: tuple, ck: Path | None = None) -> float:
+    """Run ``target(*args)`` in a fresh process to its end; returns the median time between two new
+    ``ck/step_*`` checkpoints (``inf`` when fewer than two were seen or ``ck`` is ``None``)."""
+    proc = fresh_processes().Process(target=target, args=args)
     proc.start()
+    seen, times = set(), []
+    while proc.is_alive():
+        if ck is not None and ck.is_dir():
+            new = {d.name for d in ck.glob("step_*")} - seen
+            if new:
+                seen |= new
+                times.append(time.monotonic())
+        proc.join(0.01)
     proc.join(300)
     assert proc.exitcode == 0
+    gaps = np.diff(times)
+    return float(np.median(gaps)) if len(gaps) else float("inf")
 
 
 def sigkill_three_times(target, args: tuple, ck: Path, seed: int, max_delay_s: float) -> None:
     """Start ``target(*args)`` in a fresh process three times and SIGKILL it each time at a random
-    moment (up to ``max_delay_s``) after a new ``ck/step_*`` checkpoint appears: mid-step or mid-save."""
-    ctx, rng, landed = mp.get_context("spawn"), random.Random(seed), 0
+    moment, up to ``max_delay_s`` after a new ``ck/step_*`` checkpoint appears: mid-step or mid-save
+    (``max_delay_s`` below the time between two checkpoints, so the kill lands before the next)."""
+    ctx, rng, landed = fresh_processes(), random.Random(seed), 0
     for _ in range(3):
         proc = ctx.Process(target=target, args=args)
         seen = {d.name for d in ck.glob("step_*")} if ck.is_dir() else set()
@@ -196,13 +209,18 @@ def sigkill_three_times(target, args: tuple, ck: Path, seed: int, max_delay_s: f
         t0 = time.time()
         while proc.is_alive() and time.time() - t0 < 120 and not (
                 ck.is_dir() and {d.name for d in ck.glob("step_*")} - seen):
-            time.sleep(0.02)
+            time.sleep(0.005)
         time.sleep(rng.uniform(0.0, max_delay_s))
         if proc.is_alive():
             os.kill(proc.pid, signal.SIGKILL)
             landed += 1
         proc.join(30)
     assert landed >= 2, "the child finished before the kills: make the run longer"
+
+
+def kill_delay(interval_s: float) -> float:
+    """Kills land up to 80 % of the reference run's time between two checkpoints after one appears."""
+    return min(0.4, 0.8 * interval_s)
 
 
 def final_reports(tmp_path: Path) -> tuple[dict, dict]:
@@ -215,13 +233,13 @@ def test_bc_sigkilled_three_times_resumes_bitwise(bc_data, tmp_path):
     """Every run in a fresh process, as every command is: bf16 CPU kernels can round differently in
     a process that has computed other things before (the uninterrupted run is a fresh process too)."""
     store, _ = bc_data
-    run_to_end(_bc_child, (str(store.path), str(tmp_path / "full")))
+    gap = run_to_end(_bc_child, (str(store.path), str(tmp_path / "full")), tmp_path / "full" / "checkpoints")
     ck = tmp_path / "killed" / "checkpoints"
-    sigkill_three_times(_bc_child, (str(store.path), str(tmp_path / "killed")), ck, seed=7, max_delay_s=0.4)
+    sigkill_three_times(_bc_child, (str(store.path), str(tmp_path / "killed")), ck, seed=7, max_delay_s=kill_delay(gap))
     run_to_end(_bc_child, (str(store.path), str(tmp_path / "killed")))
     assert_same_checkpoint(tmp_path / "full" / "checkpoints" / "last", ck / "last")
     full, resumed = final_reports(tmp_path)
-    assert resumed["steps"] == 400 and resumed["resumed_from"] is not None
+    assert resumed["steps"] == 150 and resumed["resumed_from"] is not None
     assert resumed["final_loss"] == full["final_loss"]
 
 
@@ -336,16 +354,16 @@ def _wm_child(which: str, out: str) -> None:
     torch.set_num_threads(1)
     cfg, kw, fn = (WM_TINY, WM_KW, train_world_model) if which == "worldmodel" else (CRITIC_TINY, CRITIC_KW, train_critic)
     frames = EpisodeFrames(make_episodes(6, length=20, size=32, seed=1))
-    fn(fresh(cfg), cfg, frames, Path(out), **{**kw, "steps": 300, "checkpoint_every": 20})
+    fn(fresh(cfg), cfg, frames, Path(out), **{**kw, "steps": 120, "checkpoint_every": 20})
 
 
 @pytest.mark.parametrize("which", ["worldmodel", "critic"])
 def test_worldmodel_and_critic_sigkilled_three_times_resume_bitwise(which, tmp_path):
     """Fresh processes throughout (as for BC above): the reference, three runs SIGKILLed at random
     moments after a new checkpoint, and the run that finishes."""
-    run_to_end(_wm_child, (which, str(tmp_path / "full")))
+    gap = run_to_end(_wm_child, (which, str(tmp_path / "full")), tmp_path / "full" / "checkpoints")
     ck = tmp_path / "killed" / "checkpoints"
-    sigkill_three_times(_wm_child, (which, str(tmp_path / "killed")), ck, seed=11, max_delay_s=0.3)
+    sigkill_three_times(_wm_child, (which, str(tmp_path / "killed")), ck, seed=11, max_delay_s=kill_delay(gap))
     run_to_end(_wm_child, (which, str(tmp_path / "killed")))
     assert_same_checkpoint(tmp_path / "full" / "checkpoints" / "last", ck / "last")
     full, resumed = final_reports(tmp_path)

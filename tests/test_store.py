@@ -467,9 +467,9 @@ def _open_or_create_racer(barrier, paths, results, rank):
 def test_processes_racing_open_or_create_share_one_store(tmp_path):
     """8 processes call open_or_create on one new path at once (several trials): every one gets the
     same valid store, so their 8 appended episodes are all in it, and no temporary folder is left."""
-    import multiprocessing as mp
+    from fresh_procs import fresh_processes
 
-    ctx = mp.get_context("spawn")
+    ctx = fresh_processes()
     barrier, results = ctx.Barrier(RACE_PROCESSES), ctx.Queue()
     paths = [str(tmp_path / f"s{k}") for k in range(RACE_TRIALS)]
     procs = [ctx.Process(target=_open_or_create_racer, args=(barrier, paths, results, r))

@@ -17,9 +17,10 @@ members plus a YAML entry.
   (``uncouple_pos_ori: false``) and fixed impedance. A target is reached to about 0.25 cm within
   one 8-step chunk (kp 150), so an error does not outlive its chunk. Each target is clipped to a
   box of ``max_step_m`` around the current end effector (and ``max_yaw_step_rad`` in yaw) and to
-  the ``workspace`` box; absolute mode does no clipping of its own. A policy that predicts chunk-
-  relative targets (openpi's delta actions: target of step k = end effector at the chunk's start +
-  a_k) adds the chunk-start pose before sending them (``wmrl.kernel.action_frames``).
+  the ``workspace`` box; absolute mode does no clipping of its own. The env, the store and the
+  bridge carry base-frame targets (a chunk that arrives late still says where to go); a policy that
+  predicts chunk-relative targets (openpi's delta actions: target of step k = end effector at the
+  chunk's start + a_k) adds the chunk-start pose of its observation before it returns the chunk.
 
 Measured on ``two_cubes`` from the init pose, no rendering (``tests/test_control.py``): holding the
 current pose moves the grip site < 1e-6 mm per chunk; a 5 cm target is 0.23-0.25 cm away after 8

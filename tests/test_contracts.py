@@ -219,8 +219,14 @@ def test_policy_declares_its_capabilities(policy_case):
 def _world_model(name: str):
     from hydra.utils import instantiate
 
-    if name == "chunk_flow":
-        wm = instantiate(compose("train_worldmodel", ["worldmodel=tiny"]).worldmodel, _convert_="all").eval()
+    if name in ("chunk_flow", "chunk_flow_dynamics"):
+        cfg = compose("train_worldmodel", ["worldmodel=tiny"]).worldmodel
+        if name == "chunk_flow_dynamics":   # the proprio dynamics ensemble in the ee action space
+            from wmrl.kernel.types import PANDA_EE_YAW
+
+            cfg.action_dim = 5
+            cfg.dynamics = {"action_space": PANDA_EE_YAW.to_dict(), "ensemble": 2, "hidden": 16}
+        wm = instantiate(cfg, _convert_="all").eval()
         wm.set_norm_stats(torch.randn(16, 9, generator=torch.Generator().manual_seed(0)),
                           torch.randn(16, 9, generator=torch.Generator().manual_seed(1)))
         return wm
@@ -236,7 +242,7 @@ def _critic():
     return cr
 
 
-@pytest.mark.parametrize("name", ["chunk_flow", "constant"])
+@pytest.mark.parametrize("name", ["chunk_flow", "chunk_flow_dynamics", "constant"])
 def test_world_model_contract(name):
     wm = _world_model(name)
     assert isinstance(wm, I.WorldModel), name

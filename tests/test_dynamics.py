@@ -86,3 +86,87 @@ def test_bench_dynamics_reports_every_horizon_and_the_gate(tmp_path):
     assert h1["model"]["count"] > 0 and set(h1) == {"model", "copy", "commanded", "disagreement"}
     assert isinstance(report["gate2"]["passes"], bool) and (tmp_path / "paths.png").is_file()
     json.dumps(report)
+
+
+def test_a_quaternion_sign_flip_changes_neither_the_input_nor_the_loss():
+    """robosuite's ``eef_quat`` flips between q and -q (one rotation) when the gripper points down;
+    the model's input (rot6) and loss must not see the flip (it dominated the loss before)."""
+    from worldmodels.dynamics import rot6
+
+    q = torch.nn.functional.normalize(torch.randn(6, 4), dim=-1)
+    assert torch.allclose(rot6(q), rot6(-q))
+    w, x, y, z = q[0]
+    r = torch.tensor([[1 - 2 * (y * y + z * z), 2 * (x * y - w * z)], [2 * (x * y + w * z), 1 - 2 * (x * x + z * z)],
+                      [2 * (x * z - w * y), 2 * (y * z + w * x)]])
+    assert torch.allclose(rot6(q[:1])[0], r.T.reshape(-1), atol=1e-6)   # columns 1 and 2 of R(q)
+    torch.manual_seed(0)
+    m = ProprioDynamics(PANDA_EE_YAW, ensemble=2, hidden=16)
+    s = _state(4).unsqueeze(1).repeat(1, 5, 1)
+    s[..., 3:7] = torch.tensor([0.045, 0.706, 0.706, 0.045])
+    a = torch.cat([s[:, 1:4, :3] + 0.01, torch.zeros(4, 3, 1), -torch.ones(4, 3, 1)], -1)
+    batch = {"proprio": s, "actions": a}
+    flipped = {"proprio": s.clone(), "actions": a}
+    flipped["proprio"][:, 2:, 3:7] *= -1   # the real arm's quaternion flips mid-window
+    assert m.loss(batch)[0].item() == pytest.approx(m.loss(flipped)[0].item(), rel=1e-6)
+
+
+def test_targets_outside_the_workspace_are_clipped_as_the_arm_control_clips_them():
+    m = ProprioDynamics(PANDA_EE_YAW, ensemble=1, hidden=8)
+    pos = torch.tensor([[0.45, 0.0, -0.08]])
+    below = torch.tensor([[0.45, 0.0, -0.2, 0.0, 1.0]])   # under the table: z is clipped to workspace_low
+    assert m.commanded(pos, below)[0, 2].item() == pytest.approx(PANDA_EE_YAW.low[2])
+    custom = ProprioDynamics(PANDA_EE_YAW, ensemble=1, hidden=8, workspace_low=[0.3, -0.2, -0.05],
+                             workspace_high=[0.6, 0.2, 0.3])
+    assert custom.commanded(pos, below)[0, 2].item() == pytest.approx(-0.05)
+    with pytest.raises(ValueError, match="workspace_low < workspace_high"):
+        ProprioDynamics(PANDA_EE_YAW, workspace_low=[0.6, 0, 0], workspace_high=[0.3, 1, 1])
+
+
+def test_a_world_model_with_dynamics_trains_both_parts_and_carries_their_uncertainty(tmp_path):
+    """``ChunkFlowWorldModel(dynamics=...)``: one trainer step trains the frames and the ensemble (on
+    its own unrolled proprio paths); imagine() gives the ensemble's proprio, the step before it and
+    the members' disagreement; an old-style model (dynamics=None) is unchanged by all this."""
+    from omegaconf import OmegaConf
+
+    from worldmodels.data import EpisodeFrames
+    from worldmodels.synthetic import make_episodes
+    from worldmodels.train import train_world_model
+    from worldmodels.video_wm import ChunkFlowWorldModel, WMState
+
+    cfg = OmegaConf.to_container(OmegaConf.load("configs/worldmodel/tiny.yaml"))
+    cfg.pop("_target_")
+    cfg["dynamics"] = {"action_space": PANDA_OSC_POSE.to_dict(), "ensemble": 3, "hidden": 16}
+    torch.manual_seed(0)
+    wm = ChunkFlowWorldModel(**cfg)
+    assert not hasattr(wm, "proprio_head") and wm.dynamics.k == 3
+    frames = EpisodeFrames(make_episodes(4, length=24, size=32, seed=3))
+    before = {k: v.clone() for k, v in wm.dynamics.state_dict().items()}
+    rep = train_world_model(wm, cfg, frames, tmp_path, steps=4, batch_size=4, warmup=1, eval_every=1000,
+                            checkpoint_every=0, progress=False, tensorboard=False,
+                            dynamics={"batch_size": 8, "unroll_chunks": 2})
+    assert rep["steps"] == 4
+    assert any(not torch.equal(before[k], v) for k, v in wm.dynamics.state_dict().items())   # the ensemble learned
+    wm.eval()
+    w = frames.windows([0, 1], [3, 5], 4)
+    state = WMState(w.frames.float() / 127.5 - 1, w.proprio, ["t", "t"], prev_proprio=w.prev_proprio)
+    new, obs = wm.imagine(state, w.actions)
+    assert new.uncertainty.shape == (2,) and (new.uncertainty >= 0).all() and new.prev_proprio.shape == (2, 9)
+    assert torch.allclose(obs.proprio, new.proprio) and torch.allclose(new.proprio[:, 3:7].norm(dim=-1), torch.ones(2))
+    with pytest.raises(ValueError, match="next_proprio"):
+        wm.condition(w.proprio, w.actions)
+    with pytest.raises(ValueError, match="D_a"):
+        ChunkFlowWorldModel(**{**cfg, "action_dim": 5})
+
+
+def test_world_model_action_space_comes_from_the_store(tmp_path):
+    from wmrl.run.data import fill_action_space
+
+    class Store:
+        action_space, action_dim = PANDA_EE_YAW, 5
+
+    cfg = {"action_dim": None, "action_low": None, "action_high": None, "dynamics": {"action_space": None}}
+    fill_action_space(cfg, Store)
+    assert cfg["action_dim"] == 5 and cfg["action_low"] == list(PANDA_EE_YAW.low)
+    assert cfg["dynamics"]["action_space"]["mode"] == "absolute"
+    with pytest.raises(ValueError, match="action_dim=7 differs from the store's 5"):
+        fill_action_space({"action_dim": 7}, Store)

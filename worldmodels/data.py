@@ -7,7 +7,11 @@ loop). A *chunk window* at step ``t`` of an episode of ``T`` steps is
 * ``frames``: the cameras at ``t`` stacked on channels, ``uint8 (B, 3 * n_cam, Hi, Wi)``;
 * ``proprio``: ``float32 (B, D_s)`` at ``t``;
 * ``actions``: ``float32 (B, H, D_a)``, the actions ``t .. t+H-1``;
-* ``next_frames`` / ``next_proprio``: the observation at ``t + H`` (after the chunk).
+* ``next_frames`` / ``next_proprio``: the observation at ``t + H`` (after the chunk);
+* ``prev_proprio``: ``float32 (B, D_s)`` at ``t - 1`` (at ``t`` for ``t = 0``: the arm at rest).
+
+A *proprio path* (:meth:`EpisodeFrames.sample_paths`, for the proprio dynamics) is the proprio at
+``t - 1 .. t + T`` and the actions ``t .. t + T - 1``, with no frames.
 
 Only windows with ``t + H <= T - 1`` exist (no padding is ever imagined).
 """
@@ -80,6 +84,7 @@ class Windows:
     next_proprio: torch.Tensor
     episode: torch.Tensor
     step: torch.Tensor
+    prev_proprio: torch.Tensor | None = None
 
 
 class EpisodeFrames:
@@ -180,12 +185,32 @@ class EpisodeFrames:
             next_proprio=torch.from_numpy(self.proprio[g + horizon]),
             episode=torch.from_numpy(ep),
             step=torch.from_numpy(t),
+            prev_proprio=torch.from_numpy(self.proprio[g - (t > 0)]),
         )
 
     def sample_windows(self, batch_size: int, horizon: int, rng: np.random.Generator) -> Windows:
         eps, ts = self.window_starts(horizon)
         pick = rng.integers(0, len(eps), size=batch_size)
         return self.windows(eps[pick], ts[pick], horizon)
+
+    def sample_paths(self, batch_size: int, steps: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+        """``batch_size`` random proprio paths of ``steps`` control steps (module docstring):
+        ``{"proprio": float32 (B, steps + 2, D_s), "actions": float32 (B, steps, D_a)}``, starting at
+        ``t >= 1`` with ``t + steps <= T - 1``.
+
+        Raises:
+            ValueError: no episode has more than ``steps + 1`` steps.
+        """
+        n = self.lengths - steps - 1    # starts t = 1 .. T - 1 - steps per episode
+        ok = np.flatnonzero(n > 0)
+        if len(ok) == 0:
+            raise ValueError(f"no episode is longer than {steps + 1} steps (lengths {self.lengths.tolist()}); "
+                             "shorten the dynamics' unrolled window")
+        ep = ok[rng.integers(0, len(ok), size=batch_size)]
+        t = 1 + (rng.random(batch_size) * n[ep]).astype(np.int64)
+        g = self.offsets[ep] + t
+        return {"proprio": torch.from_numpy(self.proprio[g[:, None] - 1 + np.arange(steps + 2)[None]]),
+                "actions": torch.from_numpy(self.actions[g[:, None] + np.arange(steps)[None]])}
 
     # ------------------------------------------------------------------ frames (critic)
     def frame_labels(self, success_tail: int, fail_progress: float) -> tuple[np.ndarray, np.ndarray]:

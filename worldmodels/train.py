@@ -132,11 +132,12 @@ class WorldModelTask(_WindowTask):
     name = "world model"
 
     def __init__(self, model, config, data, heldout, rng, gen, batch_size: int, p_deterministic: float,
-                 p_pure_noise: float, video_chunks: int, out_dir: Path, fit_stats: bool):
+                 p_pure_noise: float, video_chunks: int, out_dir: Path, fit_stats: bool, dynamics: dict | None = None):
         super().__init__(model, config, rng)
         self.data, self.heldout, self.gen, self.batch_size = data, heldout, gen, batch_size
         self.p_det, self.p_noise, self.video_chunks, self.out_dir = p_deterministic, p_pure_noise, video_chunks, out_dir
         self.fit_stats = fit_stats
+        self.dyn = None if model.dynamics is None else {**DYNAMICS_TRAIN, **(dynamics or {})}
 
     def fresh_start(self):
         if self.fit_stats:
@@ -144,16 +145,32 @@ class WorldModelTask(_WindowTask):
 
     def batches(self, start, stop):
         H = self.module.chunk_size
-        return (self.data.sample_windows(self.batch_size, H, self.rng) for _ in range(start, stop))
+        for _ in range(start, stop):
+            w = self.data.sample_windows(self.batch_size, H, self.rng)
+            if self.dyn is None:
+                yield w
+                continue
+            path = self.data.sample_paths(int(self.dyn["batch_size"]), H * int(self.dyn["unroll_chunks"]), self.rng)
+            k = self.module.dynamics.k
+            path["mask"] = (torch.rand(k, int(self.dyn["batch_size"]), generator=self.gen) < float(self.dyn["bootstrap"])).float()
+            yield w, path
 
-    def loss(self, w):
+    def loss(self, batch):
+        w, path = (batch, None) if self.dyn is None else batch
         out = self.module.loss(w.frames, w.proprio, w.actions, w.next_frames, w.next_proprio, generator=self.gen,
                                p_deterministic=self.p_det, p_pure_noise=self.p_noise)
+        if path is not None:
+            d_loss, d_metrics = self.module.dynamics_loss(path)
+            out = {**out, "loss": out["loss"] + float(self.dyn["weight"]) * d_loss, "proprio": d_loss.detach(),
+                   "dynamics_end_pos_err_cm": d_metrics["end_pos_err_cm"]}
         return out["loss"], out
 
     def scalars(self, out, info):
-        return {"train/loss": float(out["loss"].detach()), "train/pixel_mse": float(out["pixel"]),
-                "train/proprio_mse": float(out["proprio"]), "train/grad_norm": info["grad_norm"], "train/lr": info["lr"]}
+        sc = {"train/loss": float(out["loss"].detach()), "train/pixel_mse": float(out["pixel"]),
+              "train/proprio_mse": float(out["proprio"]), "train/grad_norm": info["grad_norm"], "train/lr": info["lr"]}
+        if "dynamics_end_pos_err_cm" in out:
+            sc["train/dynamics_end_pos_err_cm"] = out["dynamics_end_pos_err_cm"]
+        return sc
 
     def evaluate(self, step, writer):
         if self.heldout is None:
@@ -171,6 +188,12 @@ class WorldModelTask(_WindowTask):
         return {"noise": self.gen}
 
 
+#: training of a world model's dynamics ensemble (``dynamics`` of :func:`train_world_model`): proprio
+#: paths per step, their length in chunks (the unrolled loss), each member's bootstrap fraction, and
+#: the weight of its loss beside the frames' (its loss is in cm^2-like units, see ProprioDynamics.loss)
+DYNAMICS_TRAIN = {"batch_size": 64, "unroll_chunks": 4, "bootstrap": 0.8, "weight": 0.1}
+
+
 def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: EpisodeFrames, out_dir: Path,
                       heldout: EpisodeFrames | None = None, steps: int = 2000, batch_size: int = 32,
                       lr: float = 1e-3, weight_decay: float = 1e-4, warmup: int = 50, grad_clip: float = 1.0,
@@ -178,14 +201,15 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
                       checkpoint_every: int = 250, video_chunks: int = 8, resume: bool = True,
                       tensorboard: bool = True, progress: bool = True, seed: int = 0,
                       p_deterministic: float = 0.25, p_pure_noise: float = 0.25, budget_clock: str = "wall",
-                      fit_stats: bool = True, lr_follows_budget: bool = True) -> dict:
+                      fit_stats: bool = True, lr_follows_budget: bool = True, dynamics: dict | None = None) -> dict:
     """Train ``model`` on chunk windows of ``train`` with the one trainer; returns a report dict.
 
     ``model_config`` is the model's constructor arguments (saved in the checkpoint). Stats are fitted
     from ``train`` unless resuming or ``fit_stats=False`` (fine-tuning a trained model keeps its
     normalisation). ``max_minutes`` bounds the training time (checkpoint at the end); the LR decays over
     it when it ends before ``steps`` unless ``lr_follows_budget=False`` (then over the steps only, and
-    a run does not depend on the machine's speed). Resume is exact (``resume=True``, from
+    a run does not depend on the machine's speed). ``dynamics`` overrides :data:`DYNAMICS_TRAIN` for
+    a model with a dynamics ensemble (each step then also draws proprio paths). Resume is exact (``resume=True``, from
     ``out_dir/checkpoints/last``); a finished run returns its report unchanged.
 
     Raises:
@@ -194,7 +218,7 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
     out_dir = Path(out_dir)
     task = WorldModelTask(model, model_config, train, heldout, np.random.default_rng(seed),
                           torch.Generator().manual_seed(seed), batch_size, p_deterministic, p_pure_noise,
-                          video_chunks, out_dir, fit_stats)
+                          video_chunks, out_dir, fit_stats, dynamics)
     tr = _fit(task, out_dir, max_minutes, steps=steps, lr=lr, weight_decay=weight_decay, warmup=warmup,
               grad_clip=grad_clip, log_every=log_every, eval_every=eval_every, ckpt_every=checkpoint_every,
               budget_clock=budget_clock, lr_follows_budget=lr_follows_budget, resume=resume, tensorboard=tensorboard,
@@ -267,12 +291,13 @@ def imagined_frame_bank(world_model: ChunkFlowWorldModel, data: EpisodeFrames, s
         kk = int(k[sel].max())
         g0 = data.offsets[ep[sel]] + t[sel] - k[sel] * H
         state = WMState(to_unit(torch.from_numpy(data.images[g0]).to(dev)), torch.from_numpy(data.proprio[g0]).to(dev),
-                        [data.instructions[e] for e in ep[sel]])
+                        [data.instructions[e] for e in ep[sel]], prev_proprio=torch.from_numpy(
+                            data.proprio[g0 - (t[sel] - k[sel] * H > 0)]).to(dev))
         for c in range(kk):
             live = torch.from_numpy(k[sel] > c)   # slots still to roll; the others keep their frame
             a_idx = g0[live.numpy()][:, None] + c * H + np.arange(H)[None]
             sub, _ = world_model.imagine(state.index(live), torch.from_numpy(data.actions[a_idx]).to(dev))
-            state.frames[live], state.proprio[live] = sub.frames, sub.proprio
+            state.assign(live, sub)
         images[sel] = to_uint8(state.frames).cpu().numpy()
         proprio[sel] = state.proprio.float().cpu().numpy()
         bar.update(len(sel))

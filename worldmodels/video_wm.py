@@ -23,7 +23,10 @@ Method (chosen for few-step sampling on CPU; its figures: docs/measurements.md, 
   block), so the actions condition every block. The frames are space-to-depth'ed by ``patch``
   first (downsample at once), which is what makes CPU training affordable.
 * Proprio after the chunk: an MLP on (proprio, actions, pooled frames) predicting the normalised
-  change.
+  change; or, with ``dynamics`` set, the ensemble of ``worldmodels.dynamics.ProprioDynamics``
+  (every control step, the commanded target as its prior, trained with an unrolled multi-chunk
+  loss), whose prediction of the proprio after the chunk also conditions the frames, and whose
+  members' disagreement is carried in ``WMState.uncertainty`` (m) for the imagination to halt on.
 
 Scaling (resolution, width, depth, attention, patch) is configuration only.
 """
@@ -51,15 +54,36 @@ class WMState:
         frames: ``float32 (B, 3 * n_cam, Hi, Wi)`` in [-1, 1], cameras stacked in model order.
         proprio: ``float32 (B, D_s)`` (unnormalised).
         task: ``B`` instruction strings (carried through to the predicted ``Obs``).
+        prev_proprio: ``float32 (B, D_s)``, the proprio one control step before ``proprio`` (its
+            velocity, for a model with ``dynamics``); ``None``: at rest (equal to ``proprio``).
+        uncertainty: ``float32 (B,)``, the dynamics ensemble's disagreement (std of the predicted
+            end-effector position over members, m) at the end of the last imagined chunk; ``None``
+            for a state not imagined by a model with ``dynamics``.
     """
 
     frames: torch.Tensor
     proprio: torch.Tensor
     task: list[str]
+    prev_proprio: torch.Tensor | None = None
+    uncertainty: torch.Tensor | None = None
 
     def index(self, idx: torch.Tensor) -> "WMState":
         il = idx.nonzero().flatten() if idx.dtype == torch.bool else idx
-        return WMState(self.frames[il], self.proprio[il], [self.task[i] for i in il.tolist()])
+        return WMState(self.frames[il], self.proprio[il], [self.task[i] for i in il.tolist()],
+                       None if self.prev_proprio is None else self.prev_proprio[il],
+                       None if self.uncertainty is None else self.uncertainty[il])
+
+    def assign(self, idx: torch.Tensor, sub: "WMState") -> None:
+        """Write ``sub`` (the state of the slots ``idx``, a bool mask or indices) into these slots."""
+        self.frames[idx], self.proprio[idx] = sub.frames, sub.proprio
+        if sub.prev_proprio is not None:
+            if self.prev_proprio is None:
+                self.prev_proprio = self.proprio.clone()
+            self.prev_proprio[idx] = sub.prev_proprio
+        if sub.uncertainty is not None:
+            if self.uncertainty is None:
+                self.uncertainty = self.proprio.new_zeros(self.proprio.shape[0])
+            self.uncertainty[idx] = sub.uncertainty
 
 
 def to_unit(x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +103,8 @@ class ChunkFlowWorldModel(nn.Module):
     Args:
         cameras: camera names, stacking order (all at ``image_size``).
         image_size: ``(Hi, Wi)`` or an int; must be divisible by ``patch * 2 ** (len(blocks) - 1)``.
-        state_dim: ``D_s``. action_dim: ``D_a``. chunk_size: ``H`` (the chunk the model predicts over).
+        state_dim: ``D_s``. action_dim: ``D_a`` (``None``: 7, the OSC_POSE delta space). chunk_size: ``H``
+            (the chunk the model predicts over).
         block_out_channels: UNet widths per resolution level (after space-to-depth).
         layers_per_block: ResNet layers per level.
         attention_levels: indices of levels that use self-attention blocks (``[]`` for none).
@@ -87,7 +112,13 @@ class ChunkFlowWorldModel(nn.Module):
         sampling_steps: ``K`` Euler steps of the flow sampler (1 or 2 is the CPU sweet spot).
         stochastic: draw the initial noise (``True``) or use the deterministic path (``False``).
         noise_scale: std of the initial noise relative to the residual scale.
-        action_low, action_high: actions are clipped to this range (the controller's).
+        dynamics: ``None`` (the proprio MLP head) or the keyword arguments of
+            ``worldmodels.dynamics.ProprioDynamics`` (``action_space`` and the ensemble's sizes;
+            the pipeline fills ``action_space`` from the store): see the module docstring.
+        action_low, action_high: the action space's bounds, a float for every dim or one per dim
+            (``D_a`` values; ``None``: -1 / 1, the OSC_POSE delta space). Actions are clipped to them
+            and mapped to [-1, 1] per dim before they condition the model (for the delta space, an
+            identity). The pipeline fills them from the store's ``ActionSpace`` (``wmrl.run.data``).
         autocast_bf16: bfloat16 autocast of the networks: ``"auto"`` (only where the device runs bf16
             natively), ``True`` or ``False``; resolved per device type by ``wmrl.kernel.precision.resolve_bf16``
             when the model first runs there (:meth:`precision`).
@@ -102,14 +133,15 @@ class ChunkFlowWorldModel(nn.Module):
     context_frames = 1
 
     def __init__(self, cameras: Sequence[str] = ("agentview", "robot0_eye_in_hand"), image_size=64,
-                 state_dim: int = 9, action_dim: int = 7, chunk_size: int = 8,
+                 state_dim: int = 9, action_dim: int | None = 7, chunk_size: int = 8,
                  block_out_channels: Sequence[int] = (64, 128, 128), layers_per_block: int = 1,
                  attention_levels: Sequence[int] = (), patch: int = 2, sampling_steps: int = 1,
-                 stochastic: bool = False, noise_scale: float = 1.0, action_low: float = -1.0,
-                 action_high: float = 1.0, autocast_bf16: bool | str = "auto", proprio_hidden: int = 256,
-                 norm_num_groups: int = 16):
+                 stochastic: bool = False, noise_scale: float = 1.0, action_low: float | Sequence[float] | None = -1.0,
+                 action_high: float | Sequence[float] | None = 1.0, autocast_bf16: bool | str = "auto", proprio_hidden: int = 256,
+                 norm_num_groups: int = 16, dynamics: dict | None = None):
         super().__init__()
         hw = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+        action_dim = 7 if action_dim is None else int(action_dim)  # None: the OSC_POSE delta space's
         levels = len(block_out_channels)
         div = patch * 2 ** (levels - 1)
         if hw[0] % div or hw[1] % div:
@@ -128,7 +160,14 @@ class ChunkFlowWorldModel(nn.Module):
         self.sampling_steps = sampling_steps
         self.stochastic = stochastic
         self.noise_scale = noise_scale
-        self.action_low, self.action_high = action_low, action_high
+        lo = torch.as_tensor(-1.0 if action_low is None else action_low, dtype=torch.float32).flatten()
+        hi = torch.as_tensor(1.0 if action_high is None else action_high, dtype=torch.float32).flatten()
+        if lo.numel() not in (1, action_dim) or hi.numel() not in (1, action_dim) or bool((lo.expand(action_dim) >= hi.expand(action_dim)).any()):
+            raise ValueError(f"action_low < action_high needed, one value or D_a={action_dim} each; got {action_low} "
+                             f"and {action_high}")
+        # per-dim bounds, not saved in checkpoints (they are constructor arguments)
+        self.register_buffer("action_low", lo.expand(action_dim).clone(), persistent=False)
+        self.register_buffer("action_high", hi.expand(action_dim).clone(), persistent=False)
         self.autocast_bf16 = autocast_bf16
         normalise_setting(autocast_bf16)  # a bad setting fails here, not at the first forward pass
         self._precision: dict[str, Precision] = {}
@@ -148,13 +187,22 @@ class ChunkFlowWorldModel(nn.Module):
         nn.init.zeros_(self.unet.conv_out.weight)   # start exactly at copy-last-frame
         nn.init.zeros_(self.unet.conv_out.bias)
         cond_in = chunk_size * action_dim + state_dim
+        self.dynamics = None
+        if dynamics is not None:
+            from worldmodels.dynamics import ProprioDynamics
+
+            self.dynamics = ProprioDynamics(state_dim=state_dim, **dynamics)
+            if self.dynamics.space.dim != action_dim:
+                raise ValueError(f"dynamics.action_space has D_a={self.dynamics.space.dim}, the model action_dim={action_dim}")
+            cond_in += state_dim   # the frames are also conditioned on the predicted proprio after the chunk
         self.cond_mlp = nn.Sequential(nn.Linear(cond_in, temb), nn.SiLU(), nn.Linear(temb, temb))
         pooled = c_img * 8 * 8
-        self.proprio_head = nn.Sequential(
-            nn.Linear(cond_in + pooled, proprio_hidden), nn.SiLU(),
-            nn.Linear(proprio_hidden, proprio_hidden), nn.SiLU(), nn.Linear(proprio_hidden, state_dim))
-        nn.init.zeros_(self.proprio_head[-1].weight)
-        nn.init.zeros_(self.proprio_head[-1].bias)
+        if self.dynamics is None:
+            self.proprio_head = nn.Sequential(
+                nn.Linear(cond_in + pooled, proprio_hidden), nn.SiLU(),
+                nn.Linear(proprio_hidden, proprio_hidden), nn.SiLU(), nn.Linear(proprio_hidden, state_dim))
+            nn.init.zeros_(self.proprio_head[-1].weight)
+            nn.init.zeros_(self.proprio_head[-1].bias)
         self.register_buffer("proprio_mean", torch.zeros(state_dim))
         self.register_buffer("proprio_std", torch.ones(state_dim))
         self.register_buffer("delta_std", torch.ones(state_dim))
@@ -187,14 +235,33 @@ class ChunkFlowWorldModel(nn.Module):
         dev = self.proprio_mean.device.type
         return torch.autocast(dev, dtype=torch.bfloat16, enabled=self.precision().bf16)
 
-    def condition(self, proprio: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
-        """``float32 (B, H*D_a + D_s)``: clipped actions and normalised proprio."""
+    def condition(self, proprio: torch.Tensor, actions: torch.Tensor, next_proprio: torch.Tensor | None = None) -> torch.Tensor:
+        """``float32 (B, H*D_a + D_s)``: actions clipped to the action space and mapped to [-1, 1]
+        per dim, and normalised proprio; with ``dynamics`` also the (predicted, or in training the
+        recorded) normalised proprio after the chunk ``next_proprio`` (``(B, H*D_a + 2 D_s)``)."""
         if actions.ndim != 3 or actions.shape[1] != self.chunk_size or actions.shape[2] != self.action_dim:
             raise ValueError(f"actions must be (B, H={self.chunk_size}, D_a={self.action_dim}), got "
                              f"{tuple(actions.shape)}; the world model was trained for that chunk shape")
-        a = actions.float().clamp(self.action_low, self.action_high).flatten(1)
+        lo, hi = self.action_low, self.action_high
+        a = ((actions.float().clamp(lo, hi) - (hi + lo) / 2) / ((hi - lo) / 2)).flatten(1)
         p = (proprio.float() - self.proprio_mean) / self.proprio_std
-        return torch.cat([a, p], dim=1)
+        if self.dynamics is None:
+            return torch.cat([a, p], dim=1)
+        if next_proprio is None:
+            raise ValueError("a world model with dynamics conditions the frames on the proprio after the chunk: "
+                             "pass next_proprio (imagine() predicts it)")
+        return torch.cat([a, p, (next_proprio.float() - self.proprio_mean) / self.proprio_std], dim=1)
+
+    def predict_proprio(self, state: "WMState", actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """With ``dynamics``: the ensemble-mean proprio after the chunk and one step before it
+        (``float32 (B, D_s)`` each) and the members' disagreement at the chunk's end (``(B,)``, m)."""
+        prev = state.proprio if state.prev_proprio is None else state.prev_proprio
+        states = self.dynamics.rollout(state.proprio.float(), actions.float(), prev.float())   # (K, B, H, D_s)
+        mean = states.mean(0)
+        q = mean[..., 3:7] / mean[..., 3:7].norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        mean = torch.cat([mean[..., :3], q, mean[..., 7:]], -1)
+        before = mean[:, -2] if mean.shape[1] > 1 else state.proprio.float()
+        return mean[:, -1], before, self.dynamics.disagreement(states)[:, -1]
 
     def denoise(self, z: torch.Tensor, sigma: torch.Tensor, frames: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """x-prediction: residual estimate ``float32 (B, 3*n_cam, Hi, Wi)`` from the noisy residual
@@ -245,18 +312,28 @@ class ChunkFlowWorldModel(nn.Module):
         if actions.shape[0] != state.frames.shape[0]:
             raise ValueError(f"actions batch {actions.shape[0]} != state batch {state.frames.shape[0]}")
         actions = actions.to(state.frames.device)
-        residual = self.sample_residual(state.frames, state.proprio, actions, generator)
-        frames = (state.frames + residual).clamp(-1, 1)
-        cond = self.condition(state.proprio, actions)
-        proprio = state.proprio + self.proprio_delta(state.frames, cond) * self.delta_std
-        new = WMState(frames, proprio, list(state.task))
+        if self.dynamics is not None:
+            proprio, before, unc = self.predict_proprio(state, actions)
+            residual = self.sample_residual(state.frames, state.proprio, actions, generator, next_proprio=proprio)
+            new = WMState((state.frames + residual).clamp(-1, 1), proprio, list(state.task), before, unc)
+        else:
+            residual = self.sample_residual(state.frames, state.proprio, actions, generator)
+            frames = (state.frames + residual).clamp(-1, 1)
+            cond = self.condition(state.proprio, actions)
+            proprio = state.proprio + self.proprio_delta(state.frames, cond) * self.delta_std
+            new = WMState(frames, proprio, list(state.task))
+        frames = new.frames
         obs = Obs(images=split_cameras(to_uint8(frames), self.cameras), proprio=proprio.float(), task=list(state.task))
         return new, obs
 
     def sample_residual(self, frames: torch.Tensor, proprio: torch.Tensor, actions: torch.Tensor,
-                        generator: torch.Generator | None = None) -> torch.Tensor:
-        """Run the flow sampler: ``float32 (B, 3*n_cam, Hi, Wi)`` residual frame_{t+H} - frame_t."""
-        cond = self.condition(proprio, actions)
+                        generator: torch.Generator | None = None, next_proprio: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the flow sampler: ``float32 (B, 3*n_cam, Hi, Wi)`` residual frame_{t+H} - frame_t
+        (``next_proprio``: see :meth:`condition`; with ``dynamics`` and ``None``, predicted from
+        ``proprio`` at rest)."""
+        if self.dynamics is not None and next_proprio is None:
+            next_proprio = self.predict_proprio(WMState(frames, proprio, [""] * frames.shape[0]), actions)[0]
+        cond = self.condition(proprio, actions, next_proprio)
         b = frames.shape[0]
         if self.stochastic:
             z = torch.randn(frames.shape, generator=generator, device=frames.device) * self.noise_scale
@@ -300,9 +377,19 @@ class ChunkFlowWorldModel(nn.Module):
         eps = torch.where((u < p_deterministic)[:, None, None, None], torch.zeros_like(eps), eps)
         s = sigma[:, None, None, None]
         z = (1 - s) * residual + s * eps
-        cond = self.condition(proprio, actions)
+        cond = self.condition(proprio, actions, next_proprio)
         x_hat = self.denoise(z, sigma, frames, cond)
         pixel = F.mse_loss(x_hat, residual)
+        if self.dynamics is not None:   # the dynamics learn from their own windows (dynamics_loss)
+            return {"loss": pixel, "pixel": pixel.detach(), "proprio": torch.zeros(())}
         d_target = (next_proprio.float() - proprio.float()) / self.delta_std
         prop = F.mse_loss(self.proprio_delta(frames, cond), d_target)
         return {"loss": pixel + prop, "pixel": pixel.detach(), "proprio": prop.detach()}
+
+    def dynamics_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        """The dynamics ensemble's unrolled loss on proprio paths (``ProprioDynamics.loss``: ``proprio``
+        ``(B, T + 2, D_s)``, ``actions`` ``(B, T, D_a)``, ``mask`` ``(K, B)``). Raises ``RuntimeError``
+        without ``dynamics``."""
+        if self.dynamics is None:
+            raise RuntimeError("this world model has no dynamics ensemble (dynamics=None)")
+        return self.dynamics.loss(batch)

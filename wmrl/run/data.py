@@ -47,4 +47,28 @@ def model_and_splits(section, ctx, cfg):
     model_cfg = OmegaConf.to_container(section, resolve=True)
     train, held, store = load_splits(ctx.path(cfg.store), cfg.heldout_every, model_cfg["cameras"])
     check_image_size(model_cfg["image_size"], train)
-    return model_cfg, instantiate(section, _convert_="all"), train, held, store
+    fill_action_space(model_cfg, store)
+    return model_cfg, instantiate(model_cfg, _convert_="all"), train, held, store
+
+
+def fill_action_space(model_cfg: dict, store) -> None:
+    """Fill an action-conditioned model's ``action_dim`` / ``action_low`` / ``action_high`` (when the
+    config has them and they are ``None``) from the store's ``ActionSpace``, in place.
+
+    Raises:
+        ValueError: a configured ``action_dim`` that differs from the store's.
+    """
+    if "action_dim" not in model_cfg:
+        return
+    space = store.action_space
+    if model_cfg["action_dim"] is None:
+        model_cfg["action_dim"] = int(store.action_dim)
+    if int(model_cfg["action_dim"]) != int(store.action_dim):
+        raise ValueError(f"the model's action_dim={model_cfg['action_dim']} differs from the store's {store.action_dim} "
+                         f"({space.controller} {space.mode}); set action_dim=null to take the store's")
+    for key, bound in (("action_low", space.low), ("action_high", space.high)):
+        if key in model_cfg and model_cfg[key] is None:
+            model_cfg[key] = [float(v) for v in bound] if isinstance(bound, (tuple, list)) else float(bound)
+    dyn = model_cfg.get("dynamics")
+    if isinstance(dyn, dict) and dyn.get("action_space") is None:
+        dyn["action_space"] = space.to_dict()

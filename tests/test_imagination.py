@@ -216,3 +216,68 @@ def test_with_learned_models_runs_grpo_rollouts(tmp_path):
     # rewards are progress gains: they telescope to progress(last) - progress(first)
     first = cr.progress(ctx)
     assert torch.all(ro.rewards.sum(1) >= -first - 1e-5) and torch.all(ro.rewards.sum(1) <= 1 - first + 1e-5)
+
+
+class ArmWorldModel(CounterWorldModel):
+    """CounterWorldModel whose proprio is a scripted arm: each chunk sets z (dim 2) and the finger gap
+    (dims 7, 8) from the action's dims 1 and 2, and whose uncertainty is the action's dim 3."""
+
+    def init(self, context: Obs):
+        return (context, None)
+
+    def imagine(self, state, actions, generator=None):
+        obs, _ = state
+        new, _ = super().imagine(obs, actions)
+        p = new.proprio.clone()
+        p[:, 2] = actions[:, -1, 1]
+        p[:, 7], p[:, 8] = actions[:, -1, 2] / 2, -actions[:, -1, 2] / 2
+        new = Obs(new.images, p, new.task)
+        return (new, actions[:, -1, 3].clone()), new
+
+    def uncertainty(self, state):
+        return state[1]
+
+
+def arm_chunk(level, z, gap, grip, unc=0.0):
+    a = torch.zeros(len(level), 4, 7)
+    a[:, :, 0] = torch.tensor(level, dtype=torch.float32)[:, None] / 4
+    a[:, :, 1] = torch.tensor(z, dtype=torch.float32)[:, None]
+    a[:, :, 2] = torch.tensor(gap, dtype=torch.float32)[:, None]
+    a[:, :, 3] = torch.tensor(unc, dtype=torch.float32)[:, None] if not np.isscalar(unc) else unc
+    a[:, :, 6] = torch.tensor(grip, dtype=torch.float32)[:, None]
+    return a
+
+
+def test_proprio_lift_rule_gates_the_critics_success_on_lifts_only():
+    """The critic says success from the second chunk on (level >= 100) for both slots; slot 0 is a
+    lift, so it also needs a held object raised: closed >= 8 steps, gap >= 2.5 cm, 4 cm above the
+    lowest z since closing."""
+    from wmrl.imagination import ProprioLiftRule
+
+    env = ImaginationEnv(ArmWorldModel(), LevelCritic(), num_envs=2, max_chunks=8, auto_reset=False,
+                         proprio_success=ProprioLiftRule(["lift"], closed_steps=8, gap_min_m=0.025, rise_min_m=0.04))
+    env.reset([level_start(0, "lift"), level_start(0, "stack")])
+    r = env.step(arm_chunk([50, 50], z=[0.0, 0.0], gap=[0.05, 0.05], grip=[-1, -1]))   # open, at the bottom
+    assert not r.success.any()
+    r = env.step(arm_chunk([50, 50], z=[0.0, 0.0], gap=[0.04, 0.04], grip=[1, 1]))    # closes: 4 steps
+    assert r.success.tolist() == [False, True]        # the critic alone decides the stack
+    r = env.step(arm_chunk([0, 0], z=[0.05, 0.05], gap=[0.01, 0.01], grip=[1, 1]))    # raised, but on nothing
+    assert not r.success[0]
+    env.reset([level_start(100, "lift"), level_start(0, "stack")])
+    env.step(arm_chunk([0, 0], z=[0.0, 0.0], gap=[0.04, 0.04], grip=[1, 1]))
+    r = env.step(arm_chunk([0, 0], z=[0.02, 0.0], gap=[0.04, 0.04], grip=[1, 1]))     # 8 steps closed, 2 cm up
+    assert not r.success[0]
+    r = env.step(arm_chunk([0, 0], z=[0.05, 0.0], gap=[0.04, 0.04], grip=[1, 1]))     # 5 cm above the low point
+    assert r.success[0] and r.terminated[0]
+
+
+def test_an_uncertain_imagined_state_halts_the_slot_with_no_reward():
+    env = ImaginationEnv(ArmWorldModel(), LevelCritic(), num_envs=3, max_chunks=5, auto_reset=False,
+                         halt_uncertainty=0.02)
+    env.reset([level_start(0), level_start(0), level_start(90)])
+    r = env.step(arm_chunk([20, 20, 20], z=[0, 0, 0], gap=[0, 0, 0], grip=[-1, -1, -1], unc=[0.0, 0.05, 0.05]))
+    assert r.info["halted"].tolist() == [False, True, False]   # slot 2 succeeded (level 110): not halted
+    assert r.terminated.tolist() == [False, True, True] and r.reward[1] == 0 and not r.success[1]
+    assert r.success[2] and env.halted == 1
+    with pytest.raises(ValueError, match="UncertainWorldModel"):
+        ImaginationEnv(CounterWorldModel(), LevelCritic(), num_envs=1, halt_uncertainty=0.02)

@@ -12,6 +12,13 @@ Semantics are those of ``sim.env.SimEnv`` (see ``wmrl.kernel.interfaces.ChunkEnv
   success`` (RISE-style progress gain plus a success bonus), with ``success = success_prob >
   success_threshold``;
 * ``terminated`` on predicted success; ``truncated`` when a slot has run ``max_chunks`` chunks;
+* ``proprio_success`` (optional, :class:`ProprioLiftRule`): for the tasks it names (lifts), success
+  also needs the predicted arm to hold and raise an object, read from the imagined proprio and the
+  commanded gripper; the critic alone is fooled by generated frames where the proprio is not;
+* ``halt_uncertainty`` (optional, a world model with the ``UncertainWorldModel`` capability): a slot
+  whose imagined state the model is unsure of beyond it halts: terminated, reward 0, no success,
+  flagged in ``info["halted"]`` and counted in :attr:`ImaginationEnv.halted` (MOReL's unknown-state
+  halt, Kidambi et al. 2020);
 * ``auto_reset=True``: only finished slots restart (from ``next_start(slot)``, by default their last
   ``Start``), ``info["final_obs"]`` keeps the observation before the reset; ``auto_reset=False``:
   finished slots stay finished (no reward, ``steps_executed == 0``, ``info["finished"]``) until
@@ -25,8 +32,47 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from wmrl.kernel.interfaces import ProgressCritic, WorldModel
+from wmrl.kernel.interfaces import ProgressCritic, UncertainWorldModel, WorldModel
 from wmrl.kernel.types import Obs, Start, StepResult
+
+
+class ProprioLiftRule:
+    """A lift's success read from the arm at chunk resolution, streaming per slot: the gripper has
+    been commanded closed (action dim ``gripper_dim`` > 0) on the last ``closed_steps`` control steps
+    or more, the fingers are ``gap_min_m`` or more apart (proprio dims 7 and 8: an object is held),
+    and the end effector (proprio dim 2, m) is ``rise_min_m`` or more above its lowest chunk-end
+    height since the gripper closed. The per-step rule of ``sim.tasks.TaskSpec.proprio_success``,
+    measured there on recorded lifts, seen at chunk ends (an imagined rollout has no other steps).
+
+    Args:
+        tasks: the task names the rule applies to (the others: the critic alone).
+        gripper_dim: index of the gripper command in the action (``-1``: the last).
+    """
+
+    def __init__(self, tasks: Sequence[str], closed_steps: int = 12, gap_min_m: float = 0.025,
+                 rise_min_m: float = 0.04, gripper_dim: int = -1):
+        self.tasks = set(tasks)
+        self.closed_steps, self.gap_min_m, self.rise_min_m = int(closed_steps), float(gap_min_m), float(rise_min_m)
+        self.gripper_dim = int(gripper_dim)
+
+    def applies(self, task_names: Sequence[str]) -> np.ndarray:
+        return np.array([t in self.tasks for t in task_names], dtype=bool)
+
+    def update(self, closed: np.ndarray, z_low: np.ndarray, start: torch.Tensor, end: torch.Tensor,
+               actions: torch.Tensor) -> np.ndarray:
+        """Advance the slots' streaks ``closed`` (int, steps) and ``z_low`` (m) in place over one chunk
+        from proprio ``start`` to ``end`` (``(B, D_s)``) under ``actions`` ``(B, H, D_a)``; returns the
+        rule's ``bool (B,)`` at the chunk's end."""
+        g = (actions[..., self.gripper_dim] > 0).numpy()
+        H = g.shape[1]
+        z0, z1 = start[:, 2].double().numpy(), end[:, 2].double().numpy()
+        trailing = np.argmin(np.concatenate([g[:, ::-1], np.zeros((len(g), 1), bool)], 1), axis=1)   # closed steps at the chunk's end
+        whole = trailing == H
+        fresh = (closed == 0) | ~whole       # the close began inside this chunk (or it is open)
+        z_low[:] = np.where(whole & ~fresh, np.minimum(z_low, z1), np.minimum(z0, z1))
+        closed[:] = np.where(whole, closed + H, trailing)
+        gap = (end[:, 7] - end[:, 8]).double().numpy()
+        return (closed >= self.closed_steps) & (gap >= self.gap_min_m) & (z1 - z_low >= self.rise_min_m)
 
 
 def start_obs(start: Start) -> Obs:
@@ -63,12 +109,20 @@ class ImaginationEnv:
         success_bonus, progress_scale: reward weights.
         auto_reset: see module docstring. next_start: ``slot -> Start`` for auto-resets.
         seed: seed of the ``torch.Generator`` for stochastic world models (``None``: unseeded).
+        proprio_success: a :class:`ProprioLiftRule` (or ``None``): see the module docstring.
+        halt_uncertainty: threshold on the world model's ``uncertainty`` (its units, m for the
+            dynamics ensemble) above which a slot halts; ``None``: never.
+
+    Raises:
+        ValueError: bad sizes, or ``halt_uncertainty`` with a world model without the
+            ``UncertainWorldModel`` capability.
     """
 
     def __init__(self, world_model: WorldModel, critic: ProgressCritic, num_envs: int, max_chunks: int = 10,
                  success_threshold: float = 0.5, success_bonus: float = 1.0, progress_scale: float = 1.0,
                  auto_reset: bool = True, success_patience: int = 1, next_start: Callable[[int], Start] | None = None,
-                 seed: int | None = 0, action_dim: int | None = None):
+                 seed: int | None = 0, action_dim: int | None = None, proprio_success: ProprioLiftRule | None = None,
+                 halt_uncertainty: float | None = None):
         if int(num_envs) < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         if int(max_chunks) < 1:
@@ -95,6 +149,14 @@ class ImaginationEnv:
         self._progress = torch.zeros(self.num_envs)
         self._chunks = np.zeros(self.num_envs, dtype=np.int64)
         self._finished = np.zeros(self.num_envs, dtype=bool)
+        self.proprio_success = proprio_success
+        self._closed = np.zeros(self.num_envs, dtype=np.int64)
+        self._z_low = np.zeros(self.num_envs)
+        if halt_uncertainty is not None and not isinstance(world_model, UncertainWorldModel):
+            raise ValueError(f"halt_uncertainty needs a world model with the UncertainWorldModel capability; "
+                             f"{type(world_model).__name__} has none (e.g. worldmodel=dynamics)")
+        self.halt_uncertainty = None if halt_uncertainty is None else float(halt_uncertainty)
+        self.halted = 0   # slots halted so far
 
     # ---------------------------------------------------------------- critic
     def _score(self, obs: Obs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,6 +181,7 @@ class ImaginationEnv:
             self._starts[b] = s
             self._chunks[b] = 0
             self._streak[b] = 0
+            self._closed[b] = 0
             self._finished[b] = False
         self._obs = obs
         self._state = self.world_model.init(obs)
@@ -176,6 +239,17 @@ class ImaginationEnv:
         above = (sprob > self.success_threshold) & running
         self._streak = np.where(above.numpy(), self._streak + 1, 0)
         succ = torch.from_numpy(self._streak >= self.success_patience) & running
+        tasks = [s.task_name if s is not None else "" for s in self._starts]
+        if self.proprio_success is not None:
+            rule = self.proprio_success.update(self._closed, self._z_low, self._obs.proprio, pred.proprio, a)
+            ruled = torch.from_numpy(self.proprio_success.applies(tasks))
+            succ = torch.where(ruled, succ & torch.from_numpy(rule), succ)
+        halted = torch.zeros(B, dtype=torch.bool)
+        if self.halt_uncertainty is not None:
+            unc = self.world_model.uncertainty(state)
+            if unc is not None:
+                halted = (unc.detach().float().cpu() > self.halt_uncertainty) & running & ~succ
+                self.halted += int(halted.sum())
         # finished slots keep their last observation and get nothing
         keep = torch.from_numpy(was_finished)
         if keep.any():
@@ -183,9 +257,9 @@ class ImaginationEnv:
             pred = Obs(images, torch.where(keep[:, None], self._obs.proprio, pred.proprio), pred.task)
             state = self.world_model.init(pred)
         reward = self.progress_scale * (prog - self._progress) + self.success_bonus * succ.float()
-        reward = torch.where(running, reward, torch.zeros_like(reward))
+        reward = torch.where(running & ~halted, reward, torch.zeros_like(reward))
         self._chunks += (~was_finished).astype(np.int64)
-        term = succ.numpy().copy()
+        term = succ.numpy() | halted.numpy()
         trunc = (~term) & (self._chunks >= self.max_chunks) & ~was_finished
         done = term | trunc
         nexec = np.where(was_finished, 0, H).astype(np.int64)
@@ -195,8 +269,7 @@ class ImaginationEnv:
         self._obs, self._state = pred, state
         info = {"final_obs": final_obs, "finished": torch.from_numpy(was_finished),
                 "episode_length": torch.from_numpy(self._chunks * H),
-                "task_name": [s.task_name if s is not None else "" for s in self._starts],
-                "progress": prog, "success_prob": sprob}
+                "task_name": tasks, "progress": prog, "success_prob": sprob, "halted": halted}
         obs = final_obs
         if self.auto_reset and done.any():
             slots = [int(b) for b in np.flatnonzero(done)]

@@ -296,6 +296,12 @@ class ChunkFlowWorldModel(nn.Module):
             raise ValueError(f"context proprio has D_s={context.proprio.shape[1]}, the model expects {self.state_dim}")
         return WMState(to_unit(frames.to(dev)), context.proprio.float().to(dev), list(context.task))
 
+    def uncertainty(self, state: WMState) -> torch.Tensor | None:
+        """``wmrl.kernel.interfaces.UncertainWorldModel``: the dynamics ensemble's disagreement at the
+        end of the last imagined chunk (``float32 (B,)``, m); ``None`` without ``dynamics`` or for an
+        ``init``-ed state."""
+        return state.uncertainty
+
     @torch.no_grad()
     def imagine(self, state: WMState, actions: torch.Tensor,
                 generator: torch.Generator | None = None) -> tuple[WMState, Obs]:

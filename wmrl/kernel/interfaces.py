@@ -145,6 +145,16 @@ class WorldModel(Protocol):
 
 
 @runtime_checkable
+class UncertainWorldModel(Protocol):
+    """Capability: a world model that says how sure it is of an imagined state (an ensemble's
+    disagreement, MOReL / MOPO), for the imagination to halt on."""
+
+    def uncertainty(self, state: Any) -> torch.Tensor | None:
+        """``float32 (B,)`` (m for the end-effector position of ``worldmodels.dynamics``), or ``None``
+        for a state it did not imagine (just ``init``-ed)."""
+
+
+@runtime_checkable
 class ProgressCritic(Protocol):
     """Progress-value critic (RISE's progress value model)."""
 

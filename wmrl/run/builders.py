@@ -61,12 +61,17 @@ def precision_report(env, policy) -> dict:
 
 
 def make_imagination_env(world_model: str, critic: str, num_envs: int, seed: int = 0, device: str = "cpu", **kwargs):
-    """``wmrl.imagination.ImaginationEnv`` from world-model and critic checkpoint folders."""
-    from wmrl.imagination import ImaginationEnv
+    """``wmrl.imagination.ImaginationEnv`` from world-model and critic checkpoint folders; a
+    ``proprio_success`` dict (``tasks``, ``closed_steps``, ``gap_min_m``, ``rise_min_m``) becomes its
+    ``ProprioLiftRule`` (``None`` or no ``tasks``: none)."""
+    from wmrl.imagination import ImaginationEnv, ProprioLiftRule
     from wmrl.kernel.checkpoint import load_checkpoint
 
     wm = load_checkpoint(world_model, map_location=device).eval()
     cr = load_checkpoint(critic, map_location=device).eval()
+    rule = kwargs.pop("proprio_success", None)
+    if isinstance(rule, dict) and rule.get("tasks"):
+        kwargs["proprio_success"] = ProprioLiftRule(**rule)
     return ImaginationEnv(wm, cr, num_envs=int(num_envs), seed=int(seed), **kwargs)
 
 

@@ -83,7 +83,8 @@ def test_bench_dynamics_reports_every_horizon_and_the_gate(tmp_path):
     report = run(cfg, RunContext(cfg, out_dir=tmp_path))
     assert report["control"] == "osc_delta" and report["episodes"] == {"train": 2, "held_out": 2}
     h1 = report["horizons"][1]
-    assert h1["model"]["count"] > 0 and set(h1) == {"model", "copy", "commanded", "disagreement"}
+    assert h1["model"]["count"] > 0 and set(h1) == {"model", "copy", "commanded", "disagreement", "linear"}
+    assert h1["linear"]["count"] == h1["model"]["count"] and h1["linear"]["mean_cm"] >= 0
     assert isinstance(report["gate2"]["passes"], bool) and (tmp_path / "paths.png").is_file()
     json.dumps(report)
 
@@ -170,3 +171,25 @@ def test_world_model_action_space_comes_from_the_store(tmp_path):
     assert cfg["dynamics"]["action_space"]["mode"] == "absolute"
     with pytest.raises(ValueError, match="action_dim=7 differs from the store's 5"):
         fill_action_space({"action_dim": 7}, Store)
+
+
+def test_the_linear_baseline_recovers_a_linear_arm_exactly():
+    """On an arm that is exactly ``p' = p + 0.6 (tgt - p) + 0.2 (p - p_prev)``, the least-squares
+    baseline predicts every horizon to numerical precision."""
+    from types import SimpleNamespace
+
+    from wmrl.run.bench_dynamics import linear_baseline
+
+    m = ProprioDynamics(PANDA_EE_YAW, ensemble=1, hidden=8)
+    gen = torch.Generator().manual_seed(0)
+
+    def episode(T=40):
+        p = _state(1).repeat(T, 1)
+        a = torch.zeros(T, 5)
+        for t in range(1, T - 1):
+            a[t, :3] = p[t, :3] + 0.01 * torch.randn(3, generator=gen)   # inside the 5 cm box
+            p[t + 1, :3] = p[t, :3] + 0.6 * (a[t, :3] - p[t, :3]) + 0.2 * (p[t, :3] - p[t - 1, :3])
+        return SimpleNamespace(proprio=p.numpy(), actions=a.numpy())
+
+    out = linear_baseline(m, [episode() for _ in range(3)], [episode()], chunk=4, max_chunks=3)
+    assert out[1]["count"] > 0 and max(out[h]["mean_cm"] for h in (1, 2, 3)) < 1e-3

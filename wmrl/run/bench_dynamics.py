@@ -8,8 +8,9 @@ Collects scripted-expert episodes of the suite without rendering, holds out ever
 ensemble proprio head, no frames) with the one trainer, and reports on the held-out episodes, per
 horizon of 1..``max_chunks`` chunks from every chunk boundary: the end-effector error at the
 horizon's last step (cm; mean, p90, count) of the ensemble mean, beside two baselines: *copy* (the
-arm stays where it was) and *commanded* (the arm is at the commanded target, the commands
-integrated from the start without looking at the real arm). Also the members' disagreement (cm).
+arm stays where it was), *commanded* (the arm is at the commanded target, the commands
+integrated from the start without looking at the real arm) and *linear* (a second-order linear arm
+fitted by least squares, :func:`linear_baseline`). Also the members' disagreement (cm).
 
 Figures go to the log, ``report.json`` and ``paths.png`` (imagined vs real end-effector paths of a
 few held-out episodes). The issue's gate 2: one-chunk error < 1.0 cm and 8-chunk drift < 1.5 cm.
@@ -95,6 +96,37 @@ def horizon_errors(model, episodes: list, chunk: int, max_chunks: int) -> dict:
                        "count": len(v)} for name, v in d.items()} for h, d in out.items()}
 
 
+@torch.no_grad()
+def linear_baseline(model, train: list, held: list, chunk: int, max_chunks: int) -> dict:
+    """A second-order linear arm, fitted by least squares on the train episodes' single steps:
+    ``p_{k+1} - p_k = A (tgt_k - p_k) + B (p_k - p_{k-1}) + c`` with ``tgt_k`` the model's commanded
+    target (box and workspace clip), rolled out from every chunk boundary of ``held``. Returns
+    ``{h: {"mean_cm", "p90_cm", "count"}}``: what the ensemble must beat (its MLP models the rest)."""
+    def feats(p, pp, a):
+        return torch.cat([model.commanded(p[..., :3], a) - p[..., :3], p[..., :3] - pp[..., :3],
+                          torch.ones_like(p[..., :1])], -1).double()
+
+    xs, ys = [], []
+    for e in train:
+        p, a = torch.from_numpy(e.proprio), torch.from_numpy(e.actions)
+        xs.append(feats(p[1:-1], p[:-2], a[1:len(p) - 1]))
+        ys.append((p[2:, :3] - p[1:-1, :3]).double())
+    w = torch.linalg.lstsq(torch.cat(xs), torch.cat(ys)).solution   # (7, 3)
+    out = {h: [] for h in range(1, max_chunks + 1)}
+    for e in held:
+        p, a = torch.from_numpy(e.proprio).double(), torch.from_numpy(e.actions).double()
+        for t in range(1, len(a) - chunk, chunk):
+            cur, prev = p[t].clone(), p[t - 1].clone()
+            for k in range(min(chunk * max_chunks, len(a) - t)):
+                nxt = cur.clone()
+                nxt[:3] = cur[:3] + feats(cur.float(), prev.float(), a[t + k].float()) @ w
+                prev, cur = cur, nxt
+                if (k + 1) % chunk == 0 and t + k + 1 < len(p):
+                    out[(k + 1) // chunk].append(float((cur[:3] - p[t + k + 1, :3]).norm()) * 100)
+    return {h: {"mean_cm": float(np.mean(v)) if v else None, "p90_cm": float(np.percentile(v, 90)) if v else None,
+                "count": len(v)} for h, v in out.items()}
+
+
 def _plot_paths(model, episodes: list, chunk: int, path) -> None:
     import matplotlib
 
@@ -139,12 +171,17 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     Trainer(task, tc, ctx.out_dir / "train").run()
     model.eval()
     table = horizon_errors(model, held, int(cfg.chunk), int(cfg.max_chunks))
+    linear = linear_baseline(model, train, held, int(cfg.chunk), int(cfg.max_chunks))
+    for h, d in table.items():
+        d["linear"] = linear[h]
     log.info("held-out end-effector error (cm, mean / p90) at the end of h chunks:")
-    log.info("  h   model         commanded     copy          disagreement   n")
+    log.info("  h   model         linear        commanded     copy          disagreement   n")
     for h, d in table.items():
         if d["model"]["count"]:
-            log.info("  %-3d %5.2f / %5.2f  %5.2f / %5.2f  %5.2f / %5.2f  %5.2f          %d", h,
-                     d["model"]["mean_cm"], d["model"]["p90_cm"], d["commanded"]["mean_cm"], d["commanded"]["p90_cm"],
+            lin = d["linear"]
+            log.info("  %-3d %5.2f / %5.2f  %5.2f / %5.2f  %5.2f / %5.2f  %5.2f / %5.2f  %5.2f          %d", h,
+                     d["model"]["mean_cm"], d["model"]["p90_cm"], lin["mean_cm"] or float("nan"),
+                     lin["p90_cm"] or float("nan"), d["commanded"]["mean_cm"], d["commanded"]["p90_cm"],
                      d["copy"]["mean_cm"], d["copy"]["p90_cm"], d["disagreement"]["mean_cm"], d["model"]["count"])
     _plot_paths(model, held[:3], int(cfg.chunk), ctx.out_dir / "paths.png")
     gate = {"one_chunk_cm": table[1]["model"]["mean_cm"], "eight_chunk_cm": table.get(8, {}).get("model", {}).get("mean_cm")}

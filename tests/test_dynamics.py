@@ -193,3 +193,27 @@ def test_the_linear_baseline_recovers_a_linear_arm_exactly():
 
     out = linear_baseline(m, [episode() for _ in range(3)], [episode()], chunk=4, max_chunks=3)
     assert out[1]["count"] > 0 and max(out[h]["mean_cm"] for h in (1, 2, 3)) < 1e-3
+
+
+def test_closing_gap_error_looks_only_at_chunks_that_close_the_gripper():
+    from omegaconf import OmegaConf
+
+    from worldmodels.data import EpisodeFrames
+    from worldmodels.evaluate import closing_gap_error
+    from worldmodels.synthetic import make_episodes
+    from worldmodels.video_wm import ChunkFlowWorldModel
+
+    cfg = OmegaConf.to_container(OmegaConf.load("configs/worldmodel/tiny.yaml"))
+    cfg.pop("_target_")
+    wm = ChunkFlowWorldModel(**{**cfg, "stochastic": False}).eval()
+    eps = make_episodes(2, length=20, size=32, seed=4)
+    for e in eps:
+        e.actions[:, -1] = -1.0
+        e.actions[10:, -1] = 1.0            # the gripper closes at step 10: 4 windows (t = 7..10) contain it
+    data = EpisodeFrames(eps)
+    wm.set_norm_stats(torch.from_numpy(data.proprio), torch.from_numpy(data.proprio) * 0.1)
+    out = closing_gap_error(wm, data)
+    assert out["n"] == 2 * 4 and out["mae_m"] >= 0 and out["mae_copy_m"] >= 0
+    for e in eps:
+        e.actions[:, -1] = -1.0
+    assert closing_gap_error(wm, EpisodeFrames(eps))["n"] == 0

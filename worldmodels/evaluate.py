@@ -143,6 +143,43 @@ def horizon_metrics(model: ChunkFlowWorldModel, data: EpisodeFrames, max_chunks:
 
 
 @torch.no_grad()
+def closing_gap_error(model: ChunkFlowWorldModel, data: EpisodeFrames, gripper_dim: int = -1,
+                      gap_dims: tuple[int, int] = (7, 8), batch_size: int = 64) -> dict:
+    """Finger-gap error of one imagined chunk over the chunks in which the gripper closes (the
+    commanded gripper, action dim ``gripper_dim``, goes from open (<= 0) to closed (> 0) inside the
+    chunk): what decides whether imagination can tell a grasp from a miss. The gap is
+    ``proprio[gap_dims[0]] - proprio[gap_dims[1]]`` (m) after the chunk, imagined from the real state
+    at the chunk's start with the recorded actions, against the recorded one.
+
+    Returns:
+        ``{"mae_m", "mae_copy_m", "n"}`` (copy: the gap at the chunk's start); ``None`` values with
+        ``n = 0`` when no held-out chunk closes the gripper.
+    """
+    H = model.chunk_size
+    eps, ts = data.window_starts(H)
+    g = data.actions[:, gripper_dim] > 0
+    idx = data.offsets[eps][:, None] + ts[:, None] + np.arange(H)[None]
+    prev_open = np.where(ts[:, None] + np.arange(H)[None] > 0, ~g[np.maximum(idx - 1, 0)], True)
+    closes = (g[idx] & prev_open).any(1)
+    ep, t = eps[closes], ts[closes]
+    dev = model.proprio_mean.device
+    err, err_copy = [], []
+    for i in range(0, len(ep), batch_size):
+        w = data.windows(ep[i:i + batch_size], t[i:i + batch_size], H)
+        state = WMState(to_unit(w.frames.to(dev)), w.proprio.to(dev), [data.instructions[e] for e in ep[i:i + batch_size]],
+                        prev_proprio=w.prev_proprio.to(dev))
+        new, _ = model.imagine(state, w.actions.to(dev))
+        gap = lambda p: (p[:, gap_dims[0]] - p[:, gap_dims[1]]).float().cpu()   # noqa: E731
+        real = gap(w.next_proprio)
+        err.append((gap(new.proprio) - real).abs())
+        err_copy.append((gap(w.proprio) - real).abs())
+    if not err:
+        return {"mae_m": None, "mae_copy_m": None, "n": 0}
+    e, c = torch.cat(err), torch.cat(err_copy)
+    return {"mae_m": float(e.mean()), "mae_copy_m": float(c.mean()), "n": int(len(e))}
+
+
+@torch.no_grad()
 def action_following(model: ChunkFlowWorldModel, data: EpisodeFrames, n: int = 256, seed: int = 0,
                      batch_size: int = 64) -> dict:
     """One-chunk-ahead pixel MSE with the true actions vs with the actions of a *different* held-out

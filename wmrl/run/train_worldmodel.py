@@ -18,7 +18,7 @@ import logging
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from wmrl.run.common import RunContext, run_main
 from wmrl.run.data import model_and_splits
@@ -38,7 +38,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         checkpoint_every=int(tc.checkpoint_every), video_chunks=int(tc.video_chunks), resume=bool(cfg.resume),
         tensorboard=bool(tc.tensorboard), progress=bool(cfg.progress), seed=int(cfg.seed),
         p_deterministic=float(tc.p_deterministic), p_pure_noise=float(tc.p_pure_noise), budget_clock=str(tc.budget_clock),
-        lr_follows_budget=bool(tc.get("lr_follows_budget", True)))
+        lr_follows_budget=bool(tc.get("lr_follows_budget", True)),
+        dynamics=OmegaConf.to_container(tc.dynamics) if tc.get("dynamics") is not None else None)
     report.update(store=str(ctx.path(cfg.store)), train_episodes=train.num_episodes,
                   heldout_episodes=held.num_episodes)
     hc = int(cfg.get("eval_horizon_chunks") or 0)
@@ -52,7 +53,7 @@ def heldout_horizons(checkpoint, held, max_chunks: int, position_dims, seed: int
     (``worldmodels.evaluate.horizon_metrics`` with the true actions): PSNR gain over copy-last-frame
     (dB) and the imagined end-effector position error (m) beside the copy baseline's."""
     from wmrl.kernel.checkpoint import load_checkpoint
-    from worldmodels.evaluate import horizon_metrics
+    from worldmodels.evaluate import closing_gap_error, horizon_metrics
 
     model = load_checkpoint(checkpoint, map_location="cpu").eval()
     if int(held.lengths.max()) <= model.chunk_size:
@@ -60,7 +61,12 @@ def heldout_horizons(checkpoint, held, max_chunks: int, position_dims, seed: int
     hm = horizon_metrics(model, held, max_chunks=max_chunks, start_stride=model.chunk_size,
                          generator=torch.Generator().manual_seed(seed),
                          position_dims=position_dims)
-    out = {"horizon": hm["horizon"], "psnr_gain_db": hm["psnr_gain"], "n": hm["n"]}
+    out = {"horizon": hm["horizon"], "psnr_gain_db": hm["psnr_gain"], "n": hm["n"],
+           "proprio_mae": hm["proprio_mae"], "closing_gap": closing_gap_error(model, held)}
+    cg = out["closing_gap"]
+    if cg["n"]:
+        log.info("held-out finger-gap error over the %d chunks that close the gripper: %.2f cm (copy: %.2f cm)", cg["n"],
+                 100 * cg["mae_m"], 100 * cg["mae_copy_m"])
     if "position_error" in hm:
         out.update(position_error_m=hm["position_error"], position_error_copy_m=hm["position_error_copy"])
         log.info("held-out end-effector position error (cm) 1..%d chunks ahead: %s (copy: %s)", len(hm["horizon"]),

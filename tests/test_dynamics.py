@@ -44,7 +44,7 @@ def test_the_unrolled_loss_trains_the_ensemble():
     # a "real" arm that reaches only 60 % of the way to each target: the prior alone is wrong
     s = _state(16)
     s[:, 0] += torch.rand(16) * 0.05
-    prev, states, acts = s.clone(), [s.clone(), s.clone()], []
+    states, acts = [s.clone(), s.clone()], []
     for _ in range(6):
         a = torch.cat([s[:, :3] + 0.03 * torch.randn(16, 3), torch.zeros(16, 1), -torch.ones(16, 1)], -1)
         s = s.clone()

@@ -8,7 +8,6 @@ between two checkpoints as a killed process does) and, for BC, with a real SIGKI
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import random
 import signal

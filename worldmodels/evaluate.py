@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -24,7 +25,7 @@ from torchmetrics.functional.image import (
 )
 
 from worldmodels.data import EpisodeFrames, split_cameras
-from worldmodels.video_wm import ChunkFlowWorldModel, WMState, to_unit
+from worldmodels.video_wm import ChunkFlowWorldModel, WMState, to_uint8, to_unit
 
 
 def _to01(x: torch.Tensor) -> torch.Tensor:
@@ -246,3 +247,57 @@ def critic_auroc(critic, data: EpisodeFrames, last_k: int = 1) -> dict:
 def torchmetrics_psnr(pred01: torch.Tensor, target01: torch.Tensor) -> float:
     """torchmetrics PSNR over a whole batch in [0, 1] (same definition as :func:`horizon_metrics`)."""
     return float(peak_signal_noise_ratio(pred01, target01, data_range=1.0))
+
+
+# ---------------------------------------------------------------------------- videos and quick checks (training's evaluation)
+@torch.no_grad()
+def side_by_side_video(model: ChunkFlowWorldModel, data: EpisodeFrames, episode: int, n_chunks: int,
+                       path: Path | None = None, fps: int = 4) -> np.ndarray:
+    """Autoregressive imagination of ``n_chunks`` chunks of held-out ``episode`` (position in
+    ``data``) with its true actions, next to the real frames.
+
+    Each video frame is ``[real cam 1 | imagined cam 1 | real cam 2 | imagined cam 2]`` at chunk
+    boundaries. Returns ``uint8 (N, Hi, n_cam * 2 * Wi, 3)`` and writes an mp4 to ``path`` if given.
+    """
+    H = model.chunk_size
+    T = int(data.lengths[episode])
+    n = max(0, min(n_chunks, (T - 1) // H))
+    state = model.init(data.obs_at(episode, 0).to(model.proprio_mean.device))
+    frames = []
+    for k in range(n + 1):
+        real = torch.from_numpy(data.images[data.step_index(episode, k * H)])
+        imag = to_uint8(state.frames[0]).cpu()
+        cols = []
+        for c in range(len(model.cameras)):
+            cols += [real[3 * c: 3 * c + 3], imag[3 * c: 3 * c + 3]]
+        frames.append(torch.cat(cols, dim=2).permute(1, 2, 0).numpy())
+        if k < n:
+            g = data.step_index(episode, k * H)
+            a = torch.from_numpy(data.actions[g: g + H])[None].to(model.proprio_mean.device)
+            state, _ = model.imagine(state, a)
+    video = np.stack(frames)
+    if path is not None:
+        import imageio.v2 as imageio
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        big = video.repeat(2, axis=1).repeat(2, axis=2)  # 2x nearest upscale for viewing
+        imageio.mimwrite(str(path), list(big), fps=fps, macro_block_size=1)
+    return video
+
+
+@torch.no_grad()
+def one_chunk_psnr(model: ChunkFlowWorldModel, data: EpisodeFrames, n: int = 64, seed: int = 0) -> tuple[float, float]:
+    """Quick held-out check: (PSNR of the model, PSNR of copy-last-frame) one chunk ahead, in dB,
+    over ``n`` random windows (aggregate MSE)."""
+    w = data.sample_windows(n, model.chunk_size, np.random.default_rng(seed))
+    dev = model.proprio_mean.device
+    res = model.sample_residual(to_unit(w.frames.to(dev)), w.proprio.to(dev), w.actions.to(dev))
+    pred = (to_unit(w.frames.to(dev)) + res).clamp(-1, 1)
+    tgt = to_unit(w.next_frames.to(dev))
+    base = to_unit(w.frames.to(dev))
+
+    def psnr(x):
+        mse = ((x - tgt) / 2).pow(2).mean().clamp_min(1e-10)
+        return float(-10 * torch.log10(mse))
+
+    return psnr(pred), psnr(base)

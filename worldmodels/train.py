@@ -22,6 +22,7 @@ from wmrl.kernel.precision import Precision
 from wmrl.kernel.trainer import BudgetClock, TrainConfig, Trainer, TrainTask  # noqa: F401 (BudgetClock: re-export)
 from worldmodels.critic import ProgressValueCritic
 from worldmodels.data import EpisodeFrames, heldout_episodes
+from worldmodels.evaluate import one_chunk_psnr, side_by_side_video  # noqa: F401 (re-exported)
 from worldmodels.video_wm import ChunkFlowWorldModel, WMState, to_uint8, to_unit
 
 log = logging.getLogger("wmrl.worldmodels")
@@ -60,42 +61,6 @@ def _common_report(tr: Trainer, budget_clock: str) -> dict:
             "resumed_from": tr.start_step if tr.resumed is not None else None}
 
 
-# ---------------------------------------------------------------------------- videos
-@torch.no_grad()
-def side_by_side_video(model: ChunkFlowWorldModel, data: EpisodeFrames, episode: int, n_chunks: int,
-                       path: Path | None = None, fps: int = 4) -> np.ndarray:
-    """Autoregressive imagination of ``n_chunks`` chunks of held-out ``episode`` (position in
-    ``data``) with its true actions, next to the real frames.
-
-    Each video frame is ``[real cam 1 | imagined cam 1 | real cam 2 | imagined cam 2]`` at chunk
-    boundaries. Returns ``uint8 (N, Hi, n_cam * 2 * Wi, 3)`` and writes an mp4 to ``path`` if given.
-    """
-    H = model.chunk_size
-    T = int(data.lengths[episode])
-    n = max(0, min(n_chunks, (T - 1) // H))
-    state = model.init(data.obs_at(episode, 0).to(model.proprio_mean.device))
-    frames = []
-    for k in range(n + 1):
-        real = torch.from_numpy(data.images[data.step_index(episode, k * H)])
-        imag = to_uint8(state.frames[0]).cpu()
-        cols = []
-        for c in range(len(model.cameras)):
-            cols += [real[3 * c: 3 * c + 3], imag[3 * c: 3 * c + 3]]
-        frames.append(torch.cat(cols, dim=2).permute(1, 2, 0).numpy())
-        if k < n:
-            g = data.step_index(episode, k * H)
-            a = torch.from_numpy(data.actions[g: g + H])[None].to(model.proprio_mean.device)
-            state, _ = model.imagine(state, a)
-    video = np.stack(frames)
-    if path is not None:
-        import imageio.v2 as imageio
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        big = video.repeat(2, axis=1).repeat(2, axis=2)  # 2x nearest upscale for viewing
-        imageio.mimwrite(str(path), list(big), fps=fps, macro_block_size=1)
-    return video
-
-
 # ---------------------------------------------------------------------------- world model
 def fit_world_model_stats(model: ChunkFlowWorldModel, data: EpisodeFrames) -> None:
     """Set the model's proprio / proprio-change stats from every window of ``data``."""
@@ -104,24 +69,6 @@ def fit_world_model_stats(model: ChunkFlowWorldModel, data: EpisodeFrames) -> No
     p = torch.from_numpy(data.proprio[g])
     d = torch.from_numpy(data.proprio[g + model.chunk_size]) - p
     model.set_norm_stats(p, d)
-
-
-@torch.no_grad()
-def one_chunk_psnr(model: ChunkFlowWorldModel, data: EpisodeFrames, n: int = 64, seed: int = 0) -> tuple[float, float]:
-    """Quick held-out check: (PSNR of the model, PSNR of copy-last-frame) one chunk ahead, in dB,
-    over ``n`` random windows (aggregate MSE)."""
-    w = data.sample_windows(n, model.chunk_size, np.random.default_rng(seed))
-    dev = model.proprio_mean.device
-    res = model.sample_residual(to_unit(w.frames.to(dev)), w.proprio.to(dev), w.actions.to(dev))
-    pred = (to_unit(w.frames.to(dev)) + res).clamp(-1, 1)
-    tgt = to_unit(w.next_frames.to(dev))
-    base = to_unit(w.frames.to(dev))
-
-    def psnr(x):
-        mse = ((x - tgt) / 2).pow(2).mean().clamp_min(1e-10)
-        return float(-10 * torch.log10(mse))
-
-    return psnr(pred), psnr(base)
 
 
 class WorldModelTask(_WindowTask):

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from policies.action_frames import check_space, from_chunk_frame, to_chunk_frame
 from policies.action_space import as_action_space, clip_to_space
 from policies.flow_vla_nets import ConvEncoder, TorchvisionEncoder, VelocityHead, random_shift
 from policies.rtc import rtc_sample
@@ -66,6 +67,10 @@ class FlowVLAPolicy(nn.Module):
             ``SDESampler``.
         train_noise_samples: ``M`` (t, eps) draws per encoded observation in ``loss``.
         aug_shift: random-shift augmentation in pixels during ``loss`` (0 = off).
+        relative_actions: learn and predict each chunk relative to the observed end-effector pose
+            (``policies.action_frames``; the 5-D absolute target space only, ``suite=ee``); the
+            chunk returned by ``sample`` is in absolute targets either way. Its normalisation
+            statistics must then be those of chunk-frame actions (``wmrl train-policy`` does this).
 
     Raises:
         ValueError: on unknown encoder kinds or inconsistent sizes.
@@ -76,7 +81,7 @@ class FlowVLAPolicy(nn.Module):
                  encoder: dict | None = None, lang_dim: int = 128, proprio_dim: int = 64, cond_dim: int = 256,
                  head_width: int = 256, head_depth: int = 3, time_dim: int = 64,
                  norm_mode: str = "quantile", action_space: Any = None, sampler: Any = None,
-                 train_noise_samples: int = 8, aug_shift: int = 4):
+                 train_noise_samples: int = 8, aug_shift: int = 4, relative_actions: bool = False):
         super().__init__()
         encoder = dict(encoder or {"kind": "conv", "channels": [32, 64, 128, 128], "out_dim": 128})
         self.cameras = list(cameras)
@@ -96,6 +101,10 @@ class FlowVLAPolicy(nn.Module):
             proprio_dim=proprio_dim, cond_dim=cond_dim, head_width=head_width, head_depth=head_depth,
             time_dim=time_dim, norm_mode=norm_mode, action_space=self.action_space.to_dict(),
             train_noise_samples=self.train_noise_samples, aug_shift=self.aug_shift)
+        self.relative_actions = bool(relative_actions)
+        if self.relative_actions:   # chunks learned and predicted relative to the observed end effector
+            check_space(self.action_space)
+            self.init_config["relative_actions"] = True
 
         self.lang_proj = nn.Sequential(nn.Linear(EMBED_DIM, lang_dim), nn.SiLU(), nn.Linear(lang_dim, lang_dim))
         kind = encoder.get("kind", "conv")
@@ -186,6 +195,8 @@ class FlowVLAPolicy(nn.Module):
         if actions.shape[1] != self.chunk_size:
             raise ValueError(f"batch has {actions.shape[1]} actions per window, the policy needs {self.chunk_size}")
         cond = self.encode(images, proprio, list(batch["instruction"]), augment=self.training)
+        if self.relative_actions:
+            actions = to_chunk_frame(actions, proprio.to(self.device).float())
         m = max(1, self.train_noise_samples)
         x0 = self.normalizer.normalize("actions", actions).repeat_interleave(m, 0)
         cond = cond.repeat_interleave(m, 0)
@@ -231,21 +242,30 @@ class FlowVLAPolicy(nn.Module):
         with torch.no_grad():
             vf = self._velocity_fn(obs)
             out = self.sampler.sample(vf, (obs.batch_size, self.chunk_size, self.action_dim), generator, self.device)
-            actions = clip_to_space(self.normalizer.unnormalize("actions", out.x0), self.action_space).float()
+            actions = clip_to_space(self._absolute(self.normalizer.unnormalize("actions", out.x0), obs), self.action_space).float()
         extras = sample_extras(self.sampler, out, obs.batch_size, self.device)
         return PolicySample(actions=actions, log_prob=out.log_prob.float(), extras=extras)
 
     def _sample_rtc(self, obs: Obs, generator, prefix: torch.Tensor, delay: int) -> PolicySample:
         with torch.no_grad():  # encode the observation once, without a graph through the encoder
             vf = self._velocity_fn(obs)
-        y = self.normalizer.normalize("actions", prefix.to(self.device).float())
+        y = prefix.to(self.device).float()
+        if self.relative_actions:
+            y = to_chunk_frame(y[None], obs.proprio[:1].to(self.device).float())[0]
+        y = self.normalizer.normalize("actions", y)
         # the sampling temperature of the policy's own sampler (e.g. noise_scale=0: from the prior
         # mean, as the VLA is evaluated); RTC then only adds the prefix guidance
         scale = self.sampler.noise_scale if isinstance(self.sampler, EulerODESampler) else 1.0
         noise = draw_noise((obs.batch_size, self.chunk_size, self.action_dim), generator, self.device, torch.float32) * scale
         x = rtc_sample(vf, noise, y, delay, num_steps=int(self.sampler.num_steps), beta=float(self.rtc_beta))
-        actions = clip_to_space(self.normalizer.unnormalize("actions", x), self.action_space).float()
+        actions = clip_to_space(self._absolute(self.normalizer.unnormalize("actions", x), obs), self.action_space).float()
         return PolicySample(actions=actions, log_prob=torch.zeros(obs.batch_size, device=self.device))
+
+    def _absolute(self, actions: torch.Tensor, obs: Obs) -> torch.Tensor:
+        """Unnormalised chunk -> controller units: with ``relative_actions``, the observed pose added back."""
+        if not self.relative_actions:
+            return actions
+        return from_chunk_frame(actions, obs.proprio.to(actions.device).float())
 
     def log_prob(self, obs: Obs, sample: PolicySample, per_step: bool = False) -> torch.Tensor:
         """Differentiable ``float32 (B,)`` log-density of ``sample.extras["chain"]`` under the current

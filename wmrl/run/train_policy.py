@@ -50,6 +50,17 @@ def policy_for_store(policy_cfg: DictConfig | dict, store) -> object:
     return instantiate(pc, _convert_="all")
 
 
+def chunk_frame_stats(store, chunk_size: int):
+    """Normalisation statistics of a ``relative_actions`` policy: the store's proprio, and its
+    actions in the chunk frame of every window (``policies.action_frames.chunk_frame_samples``)."""
+    from policies.action_frames import chunk_frame_samples
+    from wmrl.kernel.storage.normalize import NormStats
+
+    eps = [(store.array(i, "proprio"), store.array(i, "actions")) for i in range(len(store))]
+    return NormStats.from_data({"proprio": np.concatenate([p for p, _ in eps]),
+                                "actions": chunk_frame_samples(eps, chunk_size)})
+
+
 def cap_episodes_per_task(episodes: np.ndarray, task_names, cap) -> np.ndarray:
     """Keep the first ``cap`` of ``episodes`` (store order) of each task.
 
@@ -87,7 +98,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     if len(store) == 0:
         raise ValueError(f"the store {cfg.store} has no episodes")
     policy = policy_for_store(cfg.policy, store).to(cfg.device)
-    policy.set_norm_stats(store.stats())
+    policy.set_norm_stats(chunk_frame_stats(store, policy.chunk_size) if cfg.policy.get("relative_actions")
+                          else store.stats())
 
     episodes = np.arange(len(store))
     if cfg.get("only_successful"):

@@ -31,6 +31,14 @@ def check_space(space: ActionSpace) -> None:
                          f"{space.dim}-D mode={space.mode!r} rotation={space.rotation!r}; set relative_actions=false")
 
 
+def resolve(setting, space: ActionSpace) -> bool:
+    """A policy's ``relative_actions`` setting: ``"auto"`` is true exactly in the 5-D absolute
+    ``yaw_down`` space, a bool is taken as given (true elsewhere raises in :func:`check_space`)."""
+    if setting == "auto":
+        return space.mode == "absolute" and space.rotation == "yaw_down" and space.dim == 5
+    return bool(setting)
+
+
 def _wrap(a):
     return torch.remainder(a + math.pi, 2 * math.pi) - math.pi
 
@@ -69,4 +77,4 @@ def chunk_frame_samples(episodes, chunk_size: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-__all__ = ["check_space", "to_chunk_frame", "from_chunk_frame", "chunk_frame_samples", "yaw_of_quat"]
+__all__ = ["resolve", "check_space", "to_chunk_frame", "from_chunk_frame", "chunk_frame_samples", "yaw_of_quat"]

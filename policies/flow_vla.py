@@ -37,7 +37,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from policies.action_frames import check_space, from_chunk_frame, to_chunk_frame
+from policies.action_frames import check_space, from_chunk_frame, resolve, to_chunk_frame
 from policies.action_space import as_action_space, clip_to_space
 from policies.flow_vla_nets import ConvEncoder, TorchvisionEncoder, VelocityHead, random_shift
 from policies.rtc import rtc_sample
@@ -68,7 +68,8 @@ class FlowVLAPolicy(nn.Module):
         train_noise_samples: ``M`` (t, eps) draws per encoded observation in ``loss``.
         aug_shift: random-shift augmentation in pixels during ``loss`` (0 = off).
         relative_actions: learn and predict each chunk relative to the observed end-effector pose
-            (``policies.action_frames``; the 5-D absolute target space only, ``suite=ee``); the
+            (``policies.action_frames``; the 5-D absolute target space only, ``suite=ee``; ``"auto"``:
+            exactly there); the
             chunk returned by ``sample`` is in absolute targets either way. Its normalisation
             statistics must then be those of chunk-frame actions (``wmrl train-policy`` does this).
 
@@ -81,7 +82,7 @@ class FlowVLAPolicy(nn.Module):
                  encoder: dict | None = None, lang_dim: int = 128, proprio_dim: int = 64, cond_dim: int = 256,
                  head_width: int = 256, head_depth: int = 3, time_dim: int = 64,
                  norm_mode: str = "quantile", action_space: Any = None, sampler: Any = None,
-                 train_noise_samples: int = 8, aug_shift: int = 4, relative_actions: bool = False):
+                 train_noise_samples: int = 8, aug_shift: int = 4, relative_actions: bool | str = False):
         super().__init__()
         encoder = dict(encoder or {"kind": "conv", "channels": [32, 64, 128, 128], "out_dim": 128})
         self.cameras = list(cameras)
@@ -101,7 +102,7 @@ class FlowVLAPolicy(nn.Module):
             proprio_dim=proprio_dim, cond_dim=cond_dim, head_width=head_width, head_depth=head_depth,
             time_dim=time_dim, norm_mode=norm_mode, action_space=self.action_space.to_dict(),
             train_noise_samples=self.train_noise_samples, aug_shift=self.aug_shift)
-        self.relative_actions = bool(relative_actions)
+        self.relative_actions = resolve(relative_actions, self.action_space)
         if self.relative_actions:   # chunks learned and predicted relative to the observed end effector
             check_space(self.action_space)
             self.init_config["relative_actions"] = True

@@ -71,3 +71,10 @@ def test_a_relative_policy_returns_absolute_targets_around_the_observed_arm():
     assert out.shape == (2, 4, 5)
     assert (out[..., :3] - obs.proprio[:, None, :3]).abs().max() < 0.02     # targets around each slot's own arm
     assert (out[..., 3] - 0.5).abs().max() < 0.1
+
+
+def test_auto_means_the_absolute_target_space_only():
+    from policies.action_frames import resolve
+
+    assert resolve("auto", PANDA_EE_YAW) is True and resolve("auto", PANDA_OSC_POSE) is False
+    assert resolve(False, PANDA_EE_YAW) is False

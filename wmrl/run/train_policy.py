@@ -50,6 +50,14 @@ def policy_for_store(policy_cfg: DictConfig | dict, store) -> object:
     return instantiate(pc, _convert_="all")
 
 
+def uses_chunk_frame(policy_cfg, store) -> bool:
+    """Whether the policy config's ``relative_actions`` (``auto`` / bool) puts its chunks in the chunk
+    frame for this store's action space (``policies.action_frames.resolve``)."""
+    from policies.action_frames import resolve
+
+    return resolve(policy_cfg.get("relative_actions", False), store.action_space)
+
+
 def chunk_frame_stats(store, chunk_size: int):
     """Normalisation statistics of a ``relative_actions`` policy: the store's proprio, and its
     actions in the chunk frame of every window (``policies.action_frames.chunk_frame_samples``)."""
@@ -98,7 +106,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     if len(store) == 0:
         raise ValueError(f"the store {cfg.store} has no episodes")
     policy = policy_for_store(cfg.policy, store).to(cfg.device)
-    policy.set_norm_stats(chunk_frame_stats(store, policy.chunk_size) if cfg.policy.get("relative_actions")
+    policy.set_norm_stats(chunk_frame_stats(store, policy.chunk_size) if uses_chunk_frame(cfg.policy, store)
                           else store.stats())
 
     episodes = np.arange(len(store))

@@ -105,3 +105,111 @@ def test_persistent_ids_extra_records_and_wrong_contents_are_refused(tmp_path):
         loads_restricted(good[:20])
     with pytest.raises(FileNotFoundError, match="shared/data/libero/init_files"):
         load_pruned_init(tmp_path / "missing.pruned_init")
+
+
+# ----------------------------------------------------------------------------- the arm node's env kind
+
+
+class FakeLiberoChunkEnv:
+    """A one-slot ``ChunkEnv`` with the attributes ``arm.kind=env`` reads (what
+    ``sim.libero.env.LiberoChunkEnv`` has), succeeding after ``succeed_after`` steps."""
+
+    def __init__(self, succeed_after: int = 12, preload=None, **_libero_settings):
+        from sim.libero.env import libero_action_space
+
+        self.num_envs, self.action_dim, self.state_dim = 1, 7, 8
+        self.cameras, self.image_size = ["agentview", "robot0_eye_in_hand"], (16, 16)
+        self.action_space = libero_action_space()
+        self.succeed_after, self.preload, self.t = succeed_after, preload, 0
+
+    def _obs(self):
+        import torch
+
+        from wmrl.kernel.types import Obs
+
+        return Obs({c: torch.full((1, 3, 16, 16), self.t % 255, dtype=torch.uint8) for c in self.cameras},
+                   torch.zeros(1, 8), ["put it in the basket"])
+
+    def reset(self, starts):
+        self.t = 0
+        return self._obs()
+
+    def reset_slots(self, slots, starts):
+        return self.reset(starts)
+
+    def step(self, actions):
+        import torch
+
+        from wmrl.kernel.types import StepResult
+
+        n = actions.shape[1]
+        self.t += n
+        ok = self.t >= self.succeed_after
+        f = torch.tensor([False])
+        return StepResult(self._obs(), torch.tensor([float(ok)]), torch.tensor([ok]), f, torch.tensor([ok]),
+                          torch.tensor([n]))
+
+
+def _starts(n: int = 2, **_libero_settings):
+    from wmrl.kernel.types import Start
+
+    return [Start(task_name=f"task_{i}", instruction="put it in the basket", init_index=i) for i in range(n)]
+
+
+def test_robot_node_plays_a_chunk_env_arm_and_records_libero_action_space(tmp_path):
+    """``wmrl robot --config-name robot_libero`` with the LIBERO env swapped for a fake: the node
+    plays ``arm.env`` from ``arm.starts`` through the bridge and records LIBERO's action space."""
+    from hydra import compose, initialize_config_module
+
+    from wmrl.kernel.storage import EpisodeStore
+    from wmrl.run import robot
+    from wmrl.run.common import RunContext
+
+    with initialize_config_module(config_module="configs", version_base="1.3"):
+        cfg = compose(config_name="robot_libero", overrides=[
+            "transport=inproc", "episodes=2", "control.max_steps=40", f"store={tmp_path / 'eps'}",
+            "arm.env._target_=test_libero.FakeLiberoChunkEnv", "arm.starts._target_=test_libero._starts",
+            "+inproc_server.policy.chunk_size=4"])
+    assert cfg.arm.env.preload == 0 and cfg.control.watchdog_s == 5.0
+    rep = robot.run(cfg, RunContext(cfg, out_dir=tmp_path / "run"))
+    assert rep["num_episodes"] == 2 and rep["all_ran"], rep
+    assert [r["task"] for r in rep["episodes"]] == ["task_0", "task_1"]
+    store = EpisodeStore.open(tmp_path / "eps")
+    assert store.meta["action_space"]["frame"] == "world" and store.meta["state_dim"] == 8
+    assert store.meta["cameras"] == {"agentview": [16, 16], "robot0_eye_in_hand": [16, 16]}
+    assert all(store.episode(i).success for i in range(2))
+
+
+def test_robot_libero_config_resolves_the_worker():
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="configs", version_base="1.3"):
+        cfg = compose(config_name="robot_libero", overrides=["tasks=[3,5]", "inits=[0,49]", "suite_name=libero_10"])
+        srv = compose(config_name="serve_libero")
+    assert cfg.arm.kind == "env" and cfg.arm.env._target_ == "sim.libero.env.LiberoChunkEnv"
+    assert cfg.arm.env.suite == "libero_10" and cfg.arm.env.preload == 3 and list(cfg.arm.starts.init_indices) == [0, 49]
+    assert srv.state_dim == 8 and srv.idle_timeout_s >= 60
+
+
+# ----------------------------------------------------------------------------- in the LIBERO environment
+
+needs_libero_env = pytest.mark.skipif(not LIBERO_PY.exists(), reason=f"no LIBERO environment at {LIBERO_PY.parent.parent} "
+                                      f"(run `bash scripts/setup_libero.sh`; CI has none)")
+
+
+@needs_libero_env
+@pytest.mark.slow
+def test_libero_env_matches_lerobot_on_one_task(tmp_path):
+    """scripts/check_libero.py on one libero_object task: exact init states (all 50), the first
+    frame of init 0 pixel-equal to lerobot's ``LiberoEnv`` + ``LiberoProcessorStep``, and 100
+    fixed steps with the same success trace, frames and states (about 70 s)."""
+    out = tmp_path / "check.json"
+    env = dict(os.environ, MUJOCO_GL="egl", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([str(LIBERO_PY), "scripts/check_libero.py", "--suites", "libero_object", "--tasks", "0",
+                        "--inits", "0", "--trace-inits", "0", "--out", str(out)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    import json
+
+    s = json.loads(out.read_text())["summary"]
+    assert s["set_init_state_exact"] == 50 and s["frame_equal"] == 1 and s["trace_states_equal"] == 1

@@ -228,14 +228,17 @@ class LiberoChunkEnv:
     the step limit (the remaining actions are not executed); ``StepResult.success`` is LIBERO's
     ``check_success()`` after the executed steps, ``reward`` their summed sparse reward.
     Observations: ``Obs`` with ``images[cam] uint8 (1, 3, Hi, Wi)`` (180-degree convention),
-    ``proprio float32 (1, 8)``, the task's instruction.
+    ``proprio float32 (1, 8)``, the task's instruction. ``preload``: a task (name or index) to
+    build at construction; ``seed``: the env seed of every reset (LIBERO's ``env.seed``).
     """
 
     def __init__(self, suite: str, image_size: Sequence[int] = (128, 128), max_steps: int | None = None,
-                 seed: int = 0, num_envs: int = 1):
+                 seed: int = 0, num_envs: int = 1, preload: str | int | None = None):
         if num_envs != 1:
             raise ValueError(f"LiberoChunkEnv has one slot; run several workers for more, got num_envs={num_envs}")
         self.env = LiberoEnv(suite, image_size=image_size, max_steps=max_steps)
+        if preload is not None:  # build the first task now (3-12 s), not while a policy server waits
+            self.env.load(preload)
         self.num_envs = 1
         self.action_dim = ACTION_DIM
         self.state_dim = STATE_DIM

@@ -171,13 +171,18 @@ class LiberoEnv:
         return self._init_states[index]
 
     def reset(self, init_index: int, seed: int | None = 0) -> dict:
-        """Reset the current task to init state ``init_index`` and settle; returns :meth:`observation`."""
+        """Reset the current task to init state ``init_index`` and settle; returns :meth:`observation`.
+        A task without official init states (libero_90) is placed by the env's own sampler, seeded
+        by ``seed`` (``init_index`` is then ignored)."""
         if self._env is None:
             raise RuntimeError("LiberoEnv.reset before load(task)")
-        state = self.init_state(init_index)
         self._env.seed(seed)
-        self._env.reset()
-        raw = self._env.set_init_state(state)
+        if self._init_states is None:  # libero_90 ships no init states: the env's own placement (seeded)
+            raw = self._env.reset()
+        else:
+            state = self.init_state(init_index)
+            self._env.reset()
+            raw = self._env.set_init_state(state)
         for _ in range(self.settle_steps):
             raw, _, _, _ = self._env.step(list(NOOP_ACTION))
         for robot in self._env.robots:
@@ -298,14 +303,36 @@ class LiberoChunkEnv:
         self.env.close()
 
 
-def libero_starts(suite: str, tasks: Sequence[str] | None = None, init_indices: Sequence[int] | None = None):
+def libero_starts(suite: str, tasks: Sequence[str | int] | None = None, init_indices: Sequence[int] | None = None,
+                  pairs: Sequence[Sequence] | None = None):
     """``i -> Start``: episode ``i`` plays task ``i % T`` on init state ``init_indices[i // T]``
-    (default: all tasks of ``suite``, init states ``0..49``)."""
+    (default: all tasks of ``suite``, init states ``0..49``), or, with ``pairs``, the ``i``-th
+    ``(task, init_index)`` pair (tasks by name or index in LIBERO's order).
+
+    Raises:
+        KeyError / IndexError: a task not in the suite.
+    """
     from wmrl.kernel.types import Start
 
     all_tasks = suite_tasks(suite)
     names = {t.name: t for t in all_tasks}
-    chosen = [names[n] if n in names else all_tasks[int(n)] for n in tasks] if tasks else all_tasks
+
+    def task(n) -> LiberoTask:
+        if isinstance(n, str) and not n.isdigit():
+            if n not in names:
+                raise KeyError(f"no task {n!r} in {suite}; its tasks: {sorted(names)}")
+            return names[n]
+        return all_tasks[int(n)]
+
+    if pairs is not None:
+        chosen_pairs = [(task(t), int(k)) for t, k in pairs]
+
+        def start_pair(i: int) -> Start:
+            t, k = chosen_pairs[i % len(chosen_pairs)]
+            return Start(task_name=t.name, instruction=t.instruction, init_index=k)
+
+        return start_pair
+    chosen = [task(n) for n in tasks] if tasks else all_tasks
     inits = list(init_indices) if init_indices is not None else list(range(50))
 
     def start(i: int) -> Start:

@@ -213,3 +213,50 @@ def test_libero_env_matches_lerobot_on_one_task(tmp_path):
 
     s = json.loads(out.read_text())["summary"]
     assert s["set_init_state_exact"] == 50 and s["frame_equal"] == 1 and s["trace_states_equal"] == 1
+
+
+@needs_libero_env
+@pytest.mark.slow
+def test_killed_libero_worker_fails_its_episode_and_the_evaluation_goes_on(tmp_path):
+    """``wmrl evaluate suite=libero_object`` with one worker on 3 episodes (30-step limit): the
+    worker is killed (SIGKILL) once it recorded episode 0; episode 1 counts as failed
+    (``worker_died``) with one ERROR line, episode 2 runs on a new worker, and the merged store
+    keeps episodes 0 and 2 (about 2-4 minutes here)."""
+    import json
+    import re
+    import signal
+    import sys
+    import time
+
+    from wmrl.kernel.storage import EpisodeStore
+
+    out = tmp_path / "ev"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "wmrl.cli", "evaluate", "suite=libero_object", "checkpoint=test_policy",
+                             "tasks=[0]", "suite.inits=[0,1,2]", "workers=1", "videos_per_task=1",
+                             'suite.worker_overrides=["+arm.env.max_steps=30"]', f"hydra.run.dir={out}"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    store = out / "workers" / "0_0" / "episodes"
+    t_end = time.monotonic() + 600
+    while time.monotonic() < t_end and proc.poll() is None:
+        time.sleep(1)
+        try:
+            if len(EpisodeStore.open(store, mode="r")) >= 1:
+                break
+        except Exception:  # noqa: BLE001 - not created yet
+            continue
+    assert proc.poll() is None, proc.communicate()[0][-4000:]
+    time.sleep(8)  # episode 1 under way (reset 4-5 s, then steps)
+    pid = int(re.search(r"worker 0\.0 started \(pid (\d+)\)", (out / "evaluate.log").read_text()).group(1))
+    os.kill(pid, signal.SIGKILL)
+    text, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, text[-4000:]
+    assert re.search(r"ERROR.*LIBERO env worker 0\.0 \(pid \d+\) exited with status -9 during episode 1 of its 3 "
+                     r"\(task pick_up_the_alphabet_soup_and_place_it_in_the_basket, init 1\): that episode counts as "
+                     r"failed \(worker_died\)", (out / "evaluate.log").read_text())
+    rep = json.loads((out / "report.json").read_text())
+    labels = [(r["init_index"], r["failure_label"], r["worker"]) for r in rep["episodes"]]
+    assert labels[1] == (1, "worker_died", "0.0") and labels[2][2] == "0.1" and labels[0][2] == "0.0", labels
+    assert rep["episodes_worker_died"] == 1 and len(rep["worker_restarts"]) == 1
+    merged = EpisodeStore.open(out / "episodes", mode="r")
+    assert [merged.episode(i).info["init_index"] for i in range(len(merged))] == [0, 2]

@@ -184,6 +184,11 @@ def run_libero(cfg: DictConfig, ctx: RunContext) -> dict:
                 if not missing:
                     log.warning("%s exited with status %d after recording all its episodes", w.name, rc)
                     continue
+                text = (w.out / "worker.log").read_text(errors="replace")
+                if not done and "connected to the policy server" not in text:  # a set-up error: no retry helps
+                    tail = "\n".join(text.strip().splitlines()[-6:])
+                    raise ValueError(f"LIBERO env worker {w.slot}.{w.attempt} could not start (exit status {rc}); "
+                                     f"{w.out / 'worker.log'} ends with:\n{tail}")
                 cut = [j for j, ep in done.items() if not episode_ran(ep.info.get("failure_label", ""))]
                 if cut:  # the node recorded the episode it was in (SIGTERM, e-stop, server gone): failed, with its label
                     j = max(cut)

@@ -260,3 +260,25 @@ def test_killed_libero_worker_fails_its_episode_and_the_evaluation_goes_on(tmp_p
     assert rep["episodes_worker_died"] == 1 and len(rep["worker_restarts"]) == 1
     merged = EpisodeStore.open(out / "episodes", mode="r")
     assert [merged.episode(i).info["init_index"] for i in range(len(merged))] == [0, 2]
+
+
+def test_object_place_expert_on_a_kinematic_arm():
+    """The libero_object expert's commands on a point arm that moves 0.05 m per unit command (OSC_POSE
+    delta scale) and carries the object once closed on it: it reaches, closes (+1), lifts, carries
+    over the basket, lowers and opens (-1), with every command in [-1, 1] and no rotation."""
+    from sim.libero.expert import ObjectPlaceExpert
+
+    eef, obj, basket = np.array([-0.15, 0.0, 0.25]), np.array([0.05, -0.10, 0.05]), np.array([0.0, 0.25, 0.0])
+    ex = ObjectPlaceExpert("milk_1")
+    held, grips, phases = False, [], []
+    for _ in range(300):
+        a = ex.act({"robot0_eef_pos": eef, "milk_1_pos": obj, "basket_1_pos": basket})
+        assert a.shape == (7,) and np.all(np.abs(a) <= 1) and not a[3:6].any()
+        eef = eef + 0.05 * 0.5 * a[:3]  # the OSC reaches half the commanded step
+        held = (held or (a[6] > 0 and np.linalg.norm(eef - obj) < 0.011)) and a[6] > 0
+        if held:
+            obj = eef.copy()
+        grips.append(a[6])
+        phases.append(ex.phase)
+    assert phases[-1] == "release" and grips[0] == -1.0 and grips[-1] == -1.0 and max(grips) == 1.0
+    assert np.linalg.norm(obj[:2] - basket[:2]) < 0.02 and obj[2] < 0.2

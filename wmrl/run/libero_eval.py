@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from robot_bridge.client import episode_ran
 from robot_bridge.server import SessionLimits
 from robot_bridge.transports.grpc_transport import GrpcLink
+from sim.libero.env import libero_action_space  # imports neither LIBERO nor MuJoCo
 from wmrl.rl.evaluate import wilson_interval
 from wmrl.run.bridge import make_server
 from wmrl.run.common import RunContext
@@ -223,7 +224,7 @@ def run_libero(cfg: DictConfig, ctx: RunContext) -> dict:
             store = EpisodeStore.open_or_create(
                 ctx.out_dir / "episodes", cameras={c: tuple(v.shape[-2:]) for c, v in ep.images.items()},
                 state_dim=int(ep.proprio.shape[1]), action_dim=int(ep.actions.shape[1]), fps=20.0,
-                action_space=_action_space(), embodiment="panda", source="libero")
+                action_space=libero_action_space().to_dict(), embodiment="panda", source="libero")
         store.append(ep)
     _videos(ctx.out_dir / "videos", sorted(recorded, key=lambda x: x[0]), episodes, int(cfg.videos_per_task),
             str(cfg.video_camera))
@@ -232,12 +233,6 @@ def run_libero(cfg: DictConfig, ctx: RunContext) -> dict:
     report["policy"] = ckpt
     (ctx.out_dir / "episodes.json").write_text(json.dumps(rows, indent=1))
     return report
-
-
-def _action_space() -> dict:
-    from wmrl.kernel.types import ActionSpace
-
-    return ActionSpace(dim=7, controller="OSC_POSE", mode="delta", frame="world", rotation="axis_angle").to_dict()
 
 
 def _row(e: dict, success: bool, steps: int, label: str, w: _Worker | None) -> dict:

@@ -36,13 +36,13 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from sim.libero.setup_env import configure  # noqa: E402
+from sim.libero.setup_env import configure
 
 configure()  # before anything imports libero.libero
 
-from sim.libero.env import LiberoEnv, suite_tasks  # noqa: E402
+from sim.libero.env import LiberoEnv, suite_tasks
 
 
 def parse_range(spec: str) -> list[int]:
@@ -75,9 +75,9 @@ class LerobotRef:
     """lerobot 0.6.1's ``LiberoEnv`` on one task, its observations through lerobot's processor."""
 
     def __init__(self, suite: str, task_index: int, size: tuple[int, int]):
-        from libero.libero import benchmark
         from lerobot.envs.libero import LiberoEnv as LeLiberoEnv
         from lerobot.processor.env_processor import LiberoProcessorStep
+        from libero.libero import benchmark
 
         bench = benchmark.get_benchmark_dict()[suite]()
         self.env = LeLiberoEnv(bench, task_index, suite, obs_type="pixels_agent_pos", observation_height=size[0],

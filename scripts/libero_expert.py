@@ -27,15 +27,15 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from sim.libero.setup_env import configure  # noqa: E402
+from sim.libero.setup_env import configure
 
 configure()
 
-from sim.libero.env import LiberoEnv, libero_action_space  # noqa: E402
-from sim.libero.expert import ObjectPlaceExpert  # noqa: E402
-from wmrl.rl.evaluate import wilson_interval  # noqa: E402
+from sim.libero.env import LiberoEnv, libero_action_space
+from sim.libero.expert import ObjectPlaceExpert
+from wmrl.rl.evaluate import wilson_interval
 
 
 def parse_range(spec: str) -> list[int]:

@@ -16,7 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.libero.init_states import InitStateFileError, load_pruned_init, loads_restricted
+from sim.libero.init_states import (
+    InitStateFileError,
+    load_pruned_init,
+    loads_restricted,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 LIBERO_PY = REPO / ".venv-libero" / "bin" / "python"
@@ -207,7 +211,7 @@ def test_libero_env_matches_lerobot_on_one_task(tmp_path):
     env = dict(os.environ, MUJOCO_GL="egl", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     r = subprocess.run([str(LIBERO_PY), "scripts/check_libero.py", "--suites", "libero_object", "--tasks", "0",
                         "--inits", "0", "--trace-inits", "0", "--out", str(out)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     import json
 

@@ -67,7 +67,7 @@ def plan_episodes(py: Path, suite: str, tasks, inits) -> list[dict]:
     code = ("import json,sys; from sim.libero.env import suite_tasks; "
             "print(json.dumps([[t.index, t.name, t.instruction] for t in suite_tasks(sys.argv[1])]))")
     out = subprocess.run([str(py), "-c", code, suite], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env=_worker_env())
+                         env=_worker_env(), check=False)
     if out.returncode != 0:
         raise ValueError(f"could not list the tasks of {suite} in the LIBERO environment: {out.stderr[-2000:]}")
     listed = json.loads(out.stdout.strip().splitlines()[-1])
@@ -111,7 +111,7 @@ def _start_worker(py: Path, cfg: DictConfig, address: str, slot: int, attempt: i
             f"image_size=[{int(s.image_size[0])},{int(s.image_size[1])}]", f"arm.env.seed={int(cfg.seed)}",
             f"store={out / 'episodes'}", f"hydra.run.dir={out}", "reconnect.attempts=2",
             f"control.max_steps={int(s.max_steps_cap)}"] + [str(o) for o in (s.get("worker_overrides") or [])]
-    f = open(out / "worker.log", "w")
+    f = open(out / "worker.log", "w")  # noqa: SIM115 - the worker's log, closed when it exits
     proc = subprocess.Popen(args, cwd=REPO, env=_worker_env(), stdout=f, stderr=subprocess.STDOUT)
     log.info("LIBERO env worker %d.%d started (pid %d): %d episodes", slot, attempt, proc.pid, len(episodes))
     return _Worker(slot, attempt, episodes, proc, out, f)
@@ -258,7 +258,7 @@ def _libero_versions(py: Path) -> dict:
     code = ("import json,os; from importlib.metadata import version as v; "
             "print(json.dumps({p: v(p) for p in ('mujoco','robosuite','hf-libero','lerobot','numpy')} | "
             "{'MUJOCO_GL': os.environ.get('MUJOCO_GL','')}))")
-    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, env=_worker_env(), timeout=120)
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, env=_worker_env(), timeout=120, check=False)
     return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-500:]}
 
 
@@ -284,10 +284,10 @@ def _report(rows: list[dict], suite: str, wall_s: float, restarts: list[dict], p
 
 
 def format_libero_report(report: dict) -> str:
-    lines = [f"LIBERO {report['suite']}: {report['overall']['successes']}/{report['overall']['episodes']} "
+    lines = [(f"LIBERO {report['suite']}: {report['overall']['successes']}/{report['overall']['episodes']} "
              f"= {report['overall']['success_rate']:.3f} (95 % CI {report['overall']['ci95'][0]:.3f}-"
              f"{report['overall']['ci95'][1]:.3f}) in {report['wall_s']:.0f} s, {report['workers']} workers, "
-             f"{len(report['worker_restarts'])} worker restarts"]
+             f"{len(report['worker_restarts'])} worker restarts")]
     for t, v in report["per_task"].items():
         lines.append(f"  {t}: {v['successes']}/{v['episodes']} = {v['success_rate']:.3f} "
                      f"(CI {v['ci95'][0]:.3f}-{v['ci95'][1]:.3f})")

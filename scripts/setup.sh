@@ -35,7 +35,7 @@ fi
 echo "wmrl setup: creating .venv with $PY (first time takes about 3-5 minutes) ..."
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-if ! .venv/bin/python -m pip install --quiet --progress-bar off -e '.[dev]' 2> >(grep -v -e "^WARNING: Location" -e "BuildBackendWarning" >&2); then
+if ! .venv/bin/python -m pip install --quiet --progress-bar off -e '.[sim,dev]' 2> >(grep -v -e "^WARNING: Location" -e "BuildBackendWarning" >&2); then
   echo "wmrl setup: pip install failed (see above)." >&2
   exit 1
 fi

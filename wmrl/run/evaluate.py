@@ -3,6 +3,8 @@
     wmrl evaluate checkpoint=runs/bc/checkpoints/last suite=default episodes_per_task=50 batch_size=10
     wmrl evaluate checkpoint=expert noise=0.6 episodes_per_task=50
     wmrl evaluate checkpoint=runs/bc/checkpoints/last tasks=[lift_red] instruction="lift the green cube"
+    wmrl evaluate suite=libero_object checkpoint=<policy> tasks=[0,1,2] suite.inits=[0,1,2,3] workers=2
+        # the original LIBERO suites, through LIBERO env workers in .venv-libero (wmrl.run.libero_eval)
 
 Writes ``report.json`` (per-task success rate with 95 % Wilson CI, mean episode length, overall),
 ``episodes.csv`` / ``episodes.json`` (task, episode, init_index, seed, success, length, reward) and
@@ -30,6 +32,12 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
     from omegaconf import OmegaConf
 
+    if cfg.suite.get("libero"):  # the original LIBERO suites: deployment to LIBERO env workers (wmrl.run.libero_eval)
+        from wmrl.run.libero_eval import format_libero_report, run_libero
+
+        report = run_libero(cfg, ctx)
+        print(format_libero_report(report))
+        return report
     suite = instantiate(cfg.suite)
     suite_cfg = OmegaConf.to_container(cfg.suite, resolve=True)
     ckpt = "expert" if str(cfg.checkpoint) == "expert" else str(ctx.path(cfg.checkpoint))

@@ -45,7 +45,12 @@ log = logging.getLogger("wmrl.robot")
 
 
 def build_arm(cfg: DictConfig):
-    """``(arm, action_space dict, embodiment)`` from ``cfg.arm`` (and ``cfg.suite`` for ``kind=sim``)."""
+    """``(arm, action_space dict, embodiment)`` from ``cfg.arm`` (and ``cfg.suite`` for ``kind=sim``).
+
+    ``kind=env``: ``arm.env`` builds a one-slot ``ChunkEnv`` with ``cameras``, ``image_size``,
+    ``state_dim`` and ``action_space`` attributes, ``arm.starts`` the ``Start`` of each episode
+    (``configs/robot_libero.yaml``: a LIBERO task played through ``sim.libero.env.LiberoChunkEnv``).
+    """
     kind = cfg.arm.kind
     if kind == "sim":
         suite = instantiate(cfg.suite)
@@ -59,10 +64,15 @@ def build_arm(cfg: DictConfig):
         env = suite.make_env(num_envs=1, auto_reset=False)
         arm = ChunkEnvArm(env, start, cameras=suite.cameras, image_size=suite.image_size, state_dim=suite.state_dim)
         return arm, suite.action_space.to_dict(), "panda"
+    if kind == "env":  # any one-slot ChunkEnv from `arm.env._target_` (e.g. sim.libero.env.LiberoChunkEnv)
+        env = instantiate(cfg.arm.env)
+        starts = instantiate(cfg.arm.starts)  # a Sequence[Start] or a callable i -> Start
+        arm = ChunkEnvArm(env, starts, cameras=env.cameras, image_size=env.image_size, state_dim=env.state_dim)
+        return arm, env.action_space.to_dict(), str(cfg.arm.get("embodiment") or "panda")
     if kind == "target":
         arm = instantiate(cfg.arm.target)
         return arm, PANDA_OSC_POSE.to_dict() if arm.action_dim == 7 else {"dim": arm.action_dim}, type(arm).__name__
-    raise ValueError(f"arm.kind must be 'sim' or 'target', got {kind!r}")
+    raise ValueError(f"arm.kind must be 'sim', 'env' or 'target', got {kind!r}")
 
 
 def build_critic(cfg: DictConfig, ctx: RunContext):

@@ -130,18 +130,79 @@ def _recorded(store_path: Path) -> list:
     return [store.episode(i) for i in range(len(store))]
 
 
+def _worker_exited(w: "_Worker", rc: int, index_of: dict, results: dict, recorded: list, restarts: list) -> list:
+    """Book an exited worker: its recorded episodes into ``recorded`` / ``results``; the episode it was
+    in, when it died, counts as failed (``worker_died``, or the label the node recorded) with an ERROR
+    line and a ``restarts`` row. Returns the episodes still to run on a new worker.
+
+    Raises:
+        ValueError: the worker could not start at all (its log's tail in the message; no retry helps).
+    """
+    w.log_file.close()
+    eps = _recorded(w.out / "episodes")
+    done = {int(ep.info.get("episode", -1)): ep for ep in eps}
+    for j, e in enumerate(w.episodes):
+        if j in done:
+            ep = done[j]
+            recorded.append((index_of[id(e)], ep))
+            results[index_of[id(e)]] = _row(e, ep.success, ep.length, ep.info.get("failure_label", ""), w)
+    missing = [j for j in range(len(w.episodes)) if j not in done]
+    if not missing:
+        if rc != 0:
+            log.warning("%s exited with status %d after recording all its episodes", w.name, rc)
+        return []
+    text = (w.out / "worker.log").read_text(errors="replace")
+    if not done and "connected to the policy server" not in text:  # a set-up error: no retry helps
+        tail = "\n".join(text.strip().splitlines()[-6:])
+        raise ValueError(f"LIBERO env worker {w.slot}.{w.attempt} could not start (exit status {rc}); "
+                         f"{w.out / 'worker.log'} ends with:\n{tail}")
+    cut = [j for j, ep in done.items() if not episode_ran(ep.info.get("failure_label", ""))]
+    if cut:  # the node recorded the episode it was in (SIGTERM, e-stop, server gone): failed, with its label
+        j = max(cut)
+        rest = [w.episodes[k] for k in missing]
+    else:  # killed outright: the first episode it did not record was under way
+        j = missing[0]
+        rest = [w.episodes[k] for k in missing[1:]]
+        results[index_of[id(w.episodes[j])]] = _row(w.episodes[j], False, 0, "worker_died", w)
+    e = w.episodes[j]
+    log.error("LIBERO env worker %d.%d (pid %d) exited with status %d during episode %d of its %d "
+              "(task %s, init %d): that episode counts as failed (%s); %d recorded episodes kept, %d "
+              "episodes go to a new worker", w.slot, w.attempt, w.proc.pid, rc, j, len(w.episodes), e["task"],
+              e["init_index"], results[index_of[id(e)]]["failure_label"], len(done), len(rest))
+    restarts.append({"slot": w.slot, "attempt": w.attempt, "pid": w.proc.pid, "exit_status": rc,
+                     "failed_episode": {"task": e["task"], "init_index": e["init_index"]}, "remaining": len(rest)})
+    return rest
+
+
+def _merge_store(recorded: list, episodes: list, suite_name: str, out_dir):
+    """One EpisodeStore (``out_dir/episodes``) with every recorded episode, in plan order, tagged with
+    suite / init index / seed; ``None`` when nothing was recorded."""
+    from wmrl.kernel.storage import EpisodeStore
+
+    store = None
+    for i, ep in sorted(recorded, key=lambda x: x[0]):
+        e = episodes[i]
+        ep.info.update(suite=suite_name, task=e["task"], init_index=e["init_index"], seed=e["seed"])
+        if store is None:
+            store = EpisodeStore.open_or_create(
+                out_dir / "episodes", cameras={c: tuple(v.shape[-2:]) for c, v in ep.images.items()},
+                state_dim=int(ep.proprio.shape[1]), action_dim=int(ep.actions.shape[1]), fps=20.0,
+                action_space=libero_action_space().to_dict(), embodiment="panda", source="libero")
+        store.append(ep)
+    return store
+
+
 def run_libero(cfg: DictConfig, ctx: RunContext) -> dict:
     """Evaluate ``cfg.checkpoint`` (a policy folder, or ``test_policy``: the suite's
     ``test_policy._target_``, a plumbing check) on ``cfg.suite`` (``configs/suite/libero_*.yaml``);
     see the module docstring. Returns the report."""
-    from wmrl.kernel.storage import EpisodeStore
-
     s = cfg.suite
     py = libero_python(s)
     ckpt = str(cfg.checkpoint)
     if ckpt == "expert":
-        raise ValueError("there is no scripted LIBERO expert yet (issue #22 item 4): give checkpoint=<policy folder>, "
-                         "or checkpoint=test_policy for a plumbing check with the bridge's test policy")
+        raise ValueError("the scripted LIBERO expert reads privileged state and is not served through the bridge: run "
+                         "scripts/libero_expert.py; here give checkpoint=<policy folder>, or checkpoint=test_policy "
+                         "for a plumbing check with the bridge's test policy")
     t0 = time.monotonic()
     episodes = plan_episodes(py, str(s.name), list(cfg.tasks) if cfg.get("tasks") else None,
                              list(s.inits) if s.get("inits") is not None else None)
@@ -171,41 +232,7 @@ def run_libero(cfg: DictConfig, ctx: RunContext) -> dict:
                 if rc is None:
                     continue
                 active.remove(w)
-                w.log_file.close()
-                eps = _recorded(w.out / "episodes")
-                done = {int(ep.info.get("episode", -1)): ep for ep in eps}
-                for j, e in enumerate(w.episodes):
-                    if j in done:
-                        ep = done[j]
-                        recorded.append((index_of[id(e)], ep))
-                        results[index_of[id(e)]] = _row(e, ep.success, ep.length, ep.info.get("failure_label", ""), w)
-                missing = [j for j in range(len(w.episodes)) if j not in done]
-                if rc == 0 and not missing:
-                    continue
-                if not missing:
-                    log.warning("%s exited with status %d after recording all its episodes", w.name, rc)
-                    continue
-                text = (w.out / "worker.log").read_text(errors="replace")
-                if not done and "connected to the policy server" not in text:  # a set-up error: no retry helps
-                    tail = "\n".join(text.strip().splitlines()[-6:])
-                    raise ValueError(f"LIBERO env worker {w.slot}.{w.attempt} could not start (exit status {rc}); "
-                                     f"{w.out / 'worker.log'} ends with:\n{tail}")
-                cut = [j for j, ep in done.items() if not episode_ran(ep.info.get("failure_label", ""))]
-                if cut:  # the node recorded the episode it was in (SIGTERM, e-stop, server gone): failed, with its label
-                    j = max(cut)
-                    rest = [w.episodes[k] for k in missing]
-                else:  # killed outright: the first episode it did not record was under way
-                    j = missing[0]
-                    rest = [w.episodes[k] for k in missing[1:]]
-                    results[index_of[id(w.episodes[j])]] = _row(w.episodes[j], False, 0, "worker_died", w)
-                e = w.episodes[j]
-                log.error("LIBERO env worker %d.%d (pid %d) exited with status %d during episode %d of its %d "
-                          "(task %s, init %d): that episode counts as failed (%s); %d recorded episodes kept, %d "
-                          "episodes go to a new worker", w.slot, w.attempt, w.proc.pid, rc, j, len(w.episodes), e["task"],
-                          e["init_index"], results[index_of[id(e)]]["failure_label"], len(done), len(rest))
-                restarts.append({"slot": w.slot, "attempt": w.attempt, "pid": w.proc.pid, "exit_status": rc,
-                                 "failed_episode": {"task": e["task"], "init_index": e["init_index"]},
-                                 "remaining": len(rest)})
+                rest = _worker_exited(w, rc, index_of, results, recorded, restarts)
                 if rest and w.attempt < int(s.max_restarts):
                     active.append(_start_worker(py, cfg, link.address, w.slot, w.attempt + 1, rest, ctx.out_dir))
                 elif rest:
@@ -215,17 +242,7 @@ def run_libero(cfg: DictConfig, ctx: RunContext) -> dict:
             w.proc.kill()
         server.stop()
         endpoint.close()
-    # one store with every recorded episode, in plan order, tagged with suite / init index / seed
-    store = None
-    for i, ep in sorted(recorded, key=lambda x: x[0]):
-        e = episodes[i]
-        ep.info.update(suite=str(s.name), task=e["task"], init_index=e["init_index"], seed=e["seed"])
-        if store is None:
-            store = EpisodeStore.open_or_create(
-                ctx.out_dir / "episodes", cameras={c: tuple(v.shape[-2:]) for c, v in ep.images.items()},
-                state_dim=int(ep.proprio.shape[1]), action_dim=int(ep.actions.shape[1]), fps=20.0,
-                action_space=libero_action_space().to_dict(), embodiment="panda", source="libero")
-        store.append(ep)
+    _merge_store(recorded, episodes, str(s.name), ctx.out_dir)
     _videos(ctx.out_dir / "videos", sorted(recorded, key=lambda x: x[0]), episodes, int(cfg.videos_per_task),
             str(cfg.video_camera))
     rows = [results.get(i) or _row(e, False, 0, "not_run", None) for i, e in enumerate(episodes)]

@@ -11,16 +11,15 @@ relative to the current state, executed as absolute targets).
 
 Proprio layout (``wmrl.kernel.types``): end-effector position ``[0:3]`` (m, base frame) and its
 ``quat_wxyz`` ``[3:7]``; the yaw of a gripper pointing down is ``atan2(R10, R00)`` of its rotation
-(the convention of ``sim.control.yaw_of_down_mat``).
+(``wmrl.kernel.pose.yaw_of_down_quat``, the convention of ``sim.control.yaw_of_down_mat``).
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
+from wmrl.kernel.pose import wrap_angle, yaw_of_down_quat
 from wmrl.kernel.types import ActionSpace
 
 
@@ -39,21 +38,11 @@ def resolve(setting, space: ActionSpace) -> bool:
     return bool(setting)
 
 
-def _wrap(a):
-    return torch.remainder(a + math.pi, 2 * math.pi) - math.pi
-
-
-def yaw_of_quat(q: torch.Tensor) -> torch.Tensor:
-    """Yaw (rad) of a gripper pointing down from ``quat_wxyz`` ``(..., 4)`` (the same for q and -q)."""
-    w, x, y, z = q.unbind(-1)
-    return torch.atan2(2 * (x * y + w * z), 1 - 2 * (y * y + z * z))
-
-
 def to_chunk_frame(actions: torch.Tensor, proprio: torch.Tensor) -> torch.Tensor:
     """Absolute targets ``float (B, H, 5)`` -> relative to the pose in ``proprio`` ``(B, D_s)``."""
     rel = actions.clone()
     rel[..., :3] = actions[..., :3] - proprio[:, None, :3].to(actions)
-    rel[..., 3] = _wrap(actions[..., 3] - yaw_of_quat(proprio[:, 3:7].to(actions))[:, None])
+    rel[..., 3] = wrap_angle(actions[..., 3] - yaw_of_down_quat(proprio[:, 3:7].to(actions))[:, None])
     return rel
 
 
@@ -61,7 +50,7 @@ def from_chunk_frame(rel: torch.Tensor, proprio: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`to_chunk_frame`: absolute targets ``(B, H, 5)``."""
     a = rel.clone()
     a[..., :3] = rel[..., :3] + proprio[:, None, :3].to(rel)
-    a[..., 3] = _wrap(rel[..., 3] + yaw_of_quat(proprio[:, 3:7].to(rel))[:, None])
+    a[..., 3] = wrap_angle(rel[..., 3] + yaw_of_down_quat(proprio[:, 3:7].to(rel))[:, None])
     return a
 
 
@@ -77,4 +66,4 @@ def chunk_frame_samples(episodes, chunk_size: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-__all__ = ["resolve", "check_space", "to_chunk_frame", "from_chunk_frame", "chunk_frame_samples", "yaw_of_quat"]
+__all__ = ["resolve", "check_space", "to_chunk_frame", "from_chunk_frame", "chunk_frame_samples"]

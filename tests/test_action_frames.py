@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from policies.action_frames import chunk_frame_samples, check_space, from_chunk_frame, to_chunk_frame, yaw_of_quat
+from policies.action_frames import (
+    check_space,
+    chunk_frame_samples,
+    from_chunk_frame,
+    to_chunk_frame,
+)
+from wmrl.kernel.pose import yaw_of_down_quat as yaw_of_quat
 from wmrl.kernel.types import PANDA_EE_YAW, PANDA_OSC_POSE
 
 

@@ -40,15 +40,10 @@ import math
 import torch
 from torch import nn
 
+from wmrl.kernel.pose import wrap_angle, yaw_of_down_quat
 from wmrl.kernel.types import ActionSpace
 
 POS_UNIT, VEL_UNIT, GRIP_UNIT = 0.05, 0.01, 0.04
-
-
-def _yaw_of_quat(q: torch.Tensor) -> torch.Tensor:
-    """Yaw (rad) of a gripper pointing down, from ``quat_wxyz`` ``(..., 4)``: ``atan2(R10, R00)``."""
-    w, x, y, z = q.unbind(-1)
-    return torch.atan2(2 * (x * y + w * z), 1 - 2 * (y * y + z * z))
 
 
 def rot6(q: torch.Tensor) -> torch.Tensor:
@@ -135,7 +130,7 @@ class ProprioDynamics(nn.Module):
     def _other_action_dims(self, s: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         rest = action[..., 3:]
         if self.space.rotation == "yaw_down":  # the yaw error, wrapped, in place of the yaw target
-            err = torch.remainder(rest[..., :1] - _yaw_of_quat(s[..., 3:7]).unsqueeze(-1) + math.pi, 2 * math.pi) - math.pi
+            err = wrap_angle(rest[..., :1] - yaw_of_down_quat(s[..., 3:7]).unsqueeze(-1))
             rest = torch.cat([err, rest[..., 1:]], -1)
         return rest
 

@@ -42,18 +42,8 @@ from sim.libero.setup_env import configure
 
 configure()  # before anything imports libero.libero
 
+from sim.libero import parse_range
 from sim.libero.env import LiberoEnv, suite_tasks
-
-
-def parse_range(spec: str) -> list[int]:
-    out: list[int] = []
-    for part in spec.split(","):
-        if "-" in part:
-            a, b = part.split("-")
-            out.extend(range(int(a), int(b) + 1))
-        elif part:
-            out.append(int(part))
-    return out
 
 
 def fixed_actions(steps: int, seed: int = 0) -> np.ndarray:

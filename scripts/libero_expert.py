@@ -33,20 +33,10 @@ from sim.libero.setup_env import configure
 
 configure()
 
+from sim.libero import parse_range
 from sim.libero.env import LiberoEnv, libero_action_space
 from sim.libero.expert import ObjectPlaceExpert
 from wmrl.rl.evaluate import wilson_interval
-
-
-def parse_range(spec: str) -> list[int]:
-    out: list[int] = []
-    for part in spec.split(","):
-        if "-" in part:
-            a, b = part.split("-")
-            out.extend(range(int(a), int(b) + 1))
-        elif part:
-            out.append(int(part))
-    return out
 
 
 def main(argv=None) -> int:

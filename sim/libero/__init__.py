@@ -11,3 +11,15 @@ the main environment's robosuite 1.5).
 
 Importing this package imports neither LIBERO nor MuJoCo.
 """
+
+
+def parse_range(spec: str) -> list[int]:
+    """Indices from a command-line list such as ``"0-9"``, ``"0,49"`` or ``"3,5-7"`` (ranges inclusive)."""
+    out: list[int] = []
+    for part in spec.split(","):
+        if "-" in part:
+            a, b = part.split("-")
+            out.extend(range(int(a), int(b) + 1))
+        elif part:
+            out.append(int(part))
+    return out

@@ -185,8 +185,14 @@ class EpisodeFrames:
             next_proprio=torch.from_numpy(self.proprio[g + horizon]),
             episode=torch.from_numpy(ep),
             step=torch.from_numpy(t),
-            prev_proprio=torch.from_numpy(self.proprio[g - (t > 0)]),
+            prev_proprio=self.proprio_before(ep, t),
         )
+
+    def proprio_before(self, ep: np.ndarray, t: np.ndarray) -> torch.Tensor:
+        """``float32 (B, D_s)``: the proprio one step before step ``t`` of episode positions ``ep``
+        (at ``t`` itself for ``t = 0``: the arm at rest), the velocity a dynamics model carries."""
+        t = np.asarray(t, dtype=np.int64)
+        return torch.from_numpy(self.proprio[self.offsets[np.asarray(ep, dtype=np.int64)] + t - (t > 0)])
 
     def sample_windows(self, batch_size: int, horizon: int, rng: np.random.Generator) -> Windows:
         eps, ts = self.window_starts(horizon)

@@ -130,7 +130,7 @@ def horizon_metrics(model: ChunkFlowWorldModel, data: EpisodeFrames, max_chunks:
         first = torch.from_numpy(data.images[g0]).to(dev)
         p0 = torch.from_numpy(data.proprio[g0]).to(dev)
         state = WMState(to_unit(first), p0, [data.instructions[e] for e in ep],
-                        prev_proprio=torch.from_numpy(data.proprio[g0 - (t0 > 0)]).to(dev))
+                        prev_proprio=data.proprio_before(ep, t0).to(dev))
         for k in range(1, max_chunks + 1):
             valid = t0 + k * H <= data.lengths[ep] - 1
             if not valid.any():

@@ -238,8 +238,8 @@ def imagined_frame_bank(world_model: ChunkFlowWorldModel, data: EpisodeFrames, s
         kk = int(k[sel].max())
         g0 = data.offsets[ep[sel]] + t[sel] - k[sel] * H
         state = WMState(to_unit(torch.from_numpy(data.images[g0]).to(dev)), torch.from_numpy(data.proprio[g0]).to(dev),
-                        [data.instructions[e] for e in ep[sel]], prev_proprio=torch.from_numpy(
-                            data.proprio[g0 - (t[sel] - k[sel] * H > 0)]).to(dev))
+                        [data.instructions[e] for e in ep[sel]],
+                        prev_proprio=data.proprio_before(ep[sel], t[sel] - k[sel] * H).to(dev))
         for c in range(kk):
             live = torch.from_numpy(k[sel] > c)   # slots still to roll; the others keep their frame
             a_idx = g0[live.numpy()][:, None] + c * H + np.arange(H)[None]

@@ -268,17 +268,15 @@ class ChunkFlowWorldModel(nn.Module):
         if actions.shape[0] != state.frames.shape[0]:
             raise ValueError(f"actions batch {actions.shape[0]} != state batch {state.frames.shape[0]}")
         actions = actions.to(state.frames.device)
-        if self.dynamics is not None:
+        proprio = before = unc = None
+        if self.dynamics is not None:   # the arm first: the frames are conditioned on it
             proprio, before, unc = self.predict_proprio(state, actions)
-            residual = self.sample_residual(state.frames, state.proprio, actions, generator, next_proprio=proprio)
-            new = WMState((state.frames + residual).clamp(-1, 1), proprio, list(state.task), before, unc)
-        else:
-            residual = self.sample_residual(state.frames, state.proprio, actions, generator)
-            frames = (state.frames + residual).clamp(-1, 1)
+        residual = self.sample_residual(state.frames, state.proprio, actions, generator, next_proprio=proprio)
+        frames = (state.frames + residual).clamp(-1, 1)
+        if self.dynamics is None:
             cond = self.condition(state.proprio, actions)
             proprio = state.proprio + self.proprio_delta(state.frames, cond) * self.delta_std
-            new = WMState(frames, proprio, list(state.task))
-        frames = new.frames
+        new = WMState(frames, proprio, list(state.task), before, unc)
         obs = Obs(images=split_cameras(to_uint8(frames), self.cameras), proprio=proprio.float(), task=list(state.task))
         return new, obs
 

@@ -217,3 +217,25 @@ def test_closing_gap_error_looks_only_at_chunks_that_close_the_gripper():
     for e in eps:
         e.actions[:, -1] = -1.0
     assert closing_gap_error(wm, EpisodeFrames(eps))["n"] == 0
+
+
+def test_the_gripper_command_is_integrated_from_the_actions_and_carried_between_chunks():
+    """``gripper_speed``: the hidden command integrates sign(gripper action) by the speed, clipped to
+    [-1, 1] (robosuite's Panda gripper); its finger targets invert ``command_at_rest``; a rollout
+    split in two chunks with the command carried equals the rollout in one piece."""
+    m = ProprioDynamics(PANDA_EE_YAW, ensemble=2, hidden=8, gripper_speed=0.2)
+    a = torch.zeros(1, 12, 5)
+    a[0, :, -1] = torch.tensor([1.0] * 7 + [-0.3] * 5)
+    c = m.commands(torch.tensor([0.0]), a)[0]
+    assert torch.allclose(c, torch.tensor([0, .2, .4, .6, .8, 1, 1, 1, .8, .6, .4, .2, 0.0]), atol=1e-6)
+    s = _state(1)
+    s[:, 7:9] = m.finger_targets(torch.tensor([0.3]))
+    assert torch.allclose(m.command_at_rest(s), torch.tensor([0.3]))
+    s0 = _state(1)
+    s0[:, :3] += 0.01
+    whole, c_end = m.rollout(s0, a, return_command=True)
+    first, c_mid = m.rollout(s0, a[:, :6], return_command=True)
+    second = m.rollout(first[0, :, -1], a[:, 6:], first[0, :, -2], command0=c_mid)   # member 0 carried on
+    assert torch.allclose(whole[0, :, 6:], second[0], atol=1e-5) and torch.allclose(c_end, c[-1:])
+    assert m.rollout(s0, a, return_command=True)[1] is not None
+    assert ProprioDynamics(PANDA_EE_YAW, ensemble=1, hidden=8).rollout(s0, a, return_command=True)[1] is None

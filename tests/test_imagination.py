@@ -281,3 +281,62 @@ def test_an_uncertain_imagined_state_halts_the_slot_with_no_reward():
     assert r.success[2] and env.halted == 1
     with pytest.raises(ValueError, match="UncertainWorldModel"):
         ImaginationEnv(CounterWorldModel(), LevelCritic(), num_envs=1, halt_uncertainty=0.02)
+
+
+class MemoryWorldModel(CounterWorldModel):
+    """CounterWorldModel whose state also counts the chunks imagined since ``init`` (shown in proprio
+    dim 0): a hidden state that only the ``SlotStateWorldModel`` capability can keep across resets."""
+
+    def init(self, context: Obs):
+        return (context, torch.zeros(context.batch_size))
+
+    def imagine(self, state, actions, generator=None):
+        obs, count = state
+        new, _ = super().imagine(obs, actions)
+        count = count + 1
+        p = new.proprio.clone()
+        p[:, 0] = count
+        new = Obs(new.images, p, new.task)
+        return (new, count), new
+
+
+class SlotMemoryWorldModel(MemoryWorldModel):
+    def merge_states(self, state, slots, other):
+        obs = Obs({k: torch.where(slots[:, None, None, None], other[0].images[k], v) for k, v in state[0].images.items()},
+                  torch.where(slots[:, None], other[0].proprio, state[0].proprio), list(state[0].task))
+        return obs, torch.where(slots, other[1], state[1])
+
+
+@pytest.mark.parametrize("model,kept", [(SlotMemoryWorldModel, True), (MemoryWorldModel, False)])
+def test_resetting_one_slot_keeps_the_others_state_only_with_the_capability(model, kept):
+    """Slot 0 succeeds after one chunk and is reset; slot 1 runs on. A world model that can merge
+    states per slot keeps slot 1's hidden chunk count (2 after the second chunk); one that cannot is
+    re-initialised from the observations (its count restarts). A finished slot without auto-reset
+    keeps its state too."""
+    from wmrl.kernel.interfaces import SlotStateWorldModel
+
+    assert isinstance(model(), SlotStateWorldModel) == kept
+    env = ImaginationEnv(model(), LevelCritic(), num_envs=2, max_chunks=5)
+    env.reset([level_start(90), level_start(0)])
+    r = env.step(chunk([20, 20]))
+    assert r.terminated.tolist() == [True, False]
+    r = env.step(chunk([1, 1]))
+    assert r.obs.proprio[1, 0] == (2 if kept else 1) and r.obs.proprio[0, 0] == 1
+    env = ImaginationEnv(model(), LevelCritic(), num_envs=2, max_chunks=5, auto_reset=False)
+    env.reset([level_start(90), level_start(0)])
+    env.step(chunk([20, 20]))
+    env.step(chunk([1, 1]))                 # slot 0 frozen from here on
+    r = env.step(chunk([1, 1]))
+    assert r.obs.proprio[1, 0] == (3 if kept else 1)
+
+
+def test_wm_state_merge_takes_the_slots_from_the_other_state():
+    from worldmodels.state import WMState
+
+    a = WMState(torch.zeros(3, 3, 2, 2), torch.zeros(3, 9), ["a"] * 3, prev_proprio=torch.ones(3, 9),
+                uncertainty=torch.full((3,), 0.5))
+    b = WMState(torch.ones(3, 3, 2, 2), torch.full((3, 9), 2.0), ["b"] * 3)        # just init-ed
+    m = a.merge(torch.tensor([False, True, False]), b)
+    assert m.task == ["a", "b", "a"] and m.frames[1].eq(1).all() and m.frames[0].eq(0).all()
+    assert m.prev_proprio[1].eq(2).all() and m.prev_proprio[0].eq(1).all()          # b at rest
+    assert m.uncertainty.tolist() == [0.5, 0.0, 0.5] and a.frames.eq(0).all()

@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from wmrl.kernel.interfaces import ProgressCritic, UncertainWorldModel, WorldModel
+from wmrl.kernel.interfaces import ProgressCritic, SlotStateWorldModel, UncertainWorldModel, WorldModel
 from wmrl.kernel.types import Obs, Start, StepResult
 
 
@@ -95,8 +95,8 @@ class ImaginationEnv:
 
     Args:
         world_model: a ``WorldModel`` (``init(Obs) -> state``, ``imagine(state, actions, generator)``).
-            If it has ``index(state, idx)``-free states, the env re-initialises from observations
-            when slots reset.
+            With the ``SlotStateWorldModel`` capability, resetting or finishing some slots leaves the
+            others' state whole; without it the env re-``init``s every slot from its last observation.
         critic: a ``ProgressCritic``; ``evaluate(obs) -> (progress, success_prob)`` is used when
             present (one forward pass), else ``progress`` and ``success_prob``.
         num_envs: ``B``.
@@ -184,7 +184,12 @@ class ImaginationEnv:
             self._closed[b] = 0
             self._finished[b] = False
         self._obs = obs
-        self._state = self.world_model.init(obs)
+        fresh = self.world_model.init(obs)
+        if current is not None and self._state is not None and isinstance(self.world_model, SlotStateWorldModel):
+            mask = torch.zeros(self.num_envs, dtype=torch.bool)
+            mask[idx] = True
+            fresh = self.world_model.merge_states(self._state, mask, fresh)
+        self._state = fresh
         return obs
 
     def rng_streams(self) -> dict[str, torch.Generator]:
@@ -255,7 +260,10 @@ class ImaginationEnv:
         if keep.any():
             images = {k: torch.where(keep[:, None, None, None], self._obs.images[k], v) for k, v in pred.images.items()}
             pred = Obs(images, torch.where(keep[:, None], self._obs.proprio, pred.proprio), pred.task)
-            state = self.world_model.init(pred)
+            if isinstance(self.world_model, SlotStateWorldModel):
+                state = self.world_model.merge_states(state, keep, self._state)
+            else:
+                state = self.world_model.init(pred)
         reward = self.progress_scale * (prog - self._progress) + self.success_bonus * succ.float()
         reward = torch.where(running & ~halted, reward, torch.zeros_like(reward))
         self._chunks += (~was_finished).astype(np.int64)

@@ -169,6 +169,22 @@ class EpisodeFrames:
                              f"lengths are {self.lengths.tolist()}")
         return np.concatenate(eps).astype(np.int64), np.concatenate(ts).astype(np.int64)
 
+    def gripper_switch_starts(self, horizon: int, gripper_dim: int = -1,
+                              closing_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The windows of :meth:`window_starts` inside which the commanded gripper (action dim
+        ``gripper_dim``; > 0 closed) switches: from open (<= 0, or the episode's start) to closed, and
+        with ``closing_only=False`` also from closed to open. Two int64 arrays, possibly empty."""
+        eps, ts = self.window_starts(horizon)
+        closed = self.actions[:, gripper_dim] > 0
+        steps = ts[:, None] + np.arange(horizon)[None]
+        idx = self.offsets[eps][:, None] + steps
+        before = np.where(steps > 0, closed[np.maximum(idx - 1, 0)], False)   # open before the first step
+        switch = closed[idx] & ~before
+        if not closing_only:
+            switch |= ~closed[idx] & before
+        keep = switch.any(1)
+        return eps[keep], ts[keep]
+
     def windows(self, ep: np.ndarray, t: np.ndarray, horizon: int) -> Windows:
         """Gather windows at episode positions ``ep`` and steps ``t`` (int arrays of length B)."""
         ep = np.asarray(ep, dtype=np.int64)

@@ -12,10 +12,24 @@ For one control step ``k`` of member ``m``::
     q_{k+1}    = normalize(q_k + 0.05 * r_m[3:7])
     g_{k+1}    = g_k + 0.01 m * r_m[7:9]
     r_m        = MLP_m((tgt_k - p_k) / 5 cm, (p_k - p_{k-1}) / 1 cm, rot6(q_k), g_k / 4 cm, (g_k - g_{k-1}) / 1 cm,
-                       the action's other dims (yaw error for ``rotation = yaw_down``))
+                       the action's other dims (yaw error for ``rotation = yaw_down``)
+                       [, c_k, (g_tgt(c_k) - g_k) / 4 cm  with ``gripper_speed`` set])
 
 with ``p`` the end-effector position, ``q`` its ``quat_wxyz`` and ``g`` the finger joints (the proprio
-layout of ``wmrl.kernel.types``). ``A_m``, ``B_m`` (3 x 3 per member) are the linear part of the
+layout of ``wmrl.kernel.types``).
+
+The gripper's commanded state (``gripper_speed`` set): robosuite's Panda gripper does not drive the
+fingers from the action itself but from an integrator of its sign, ``c_{k+1} = clip(c_k + speed *
+sign(a_k[gripper]), -1, 1)`` (``robosuite.models.grippers.PandaGripper.format_action``, speed 0.2 per
+control step; ``c = +1`` closed), whose value sets the fingers' position targets ``g_tgt(c)`` (joint 7
+at ``finger_range_m * (1 - c) / 2``, joint 8 the mirror image). That integrator is hidden state: from
+the fingers alone a model cannot tell how far the command has run ahead of fingers in motion, or of
+fingers stopped on a cube, and the finger errors compound over chunks. Here ``c`` is integrated
+exactly from the actions inside a rollout and carried between chunks (``WMState.gripper_command``);
+at a rollout's start it is estimated from the fingers as if they were at rest at their target
+(:meth:`ProprioDynamics.command_at_rest`): exact at a reset (robosuite starts ``c`` at 0 with the
+fingers half open) and for free fingers at rest, short of the true ``c`` for fingers stopped on an
+object (whose target is then where they are anyway). ``A_m``, ``B_m`` (3 x 3 per member) are the linear part of the
 residual: an impedance-controlled end effector is close to a damped second-order system driven by
 its target, which they capture exactly (a least-squares fit of only these two terms predicts the ee
 suite's held-out arm to 0.46 cm after one chunk, docs/measurements.md); the MLP models the rest
@@ -85,6 +99,9 @@ class ProprioDynamics(nn.Module):
             (``low[:3]`` / ``high[:3]``, which ``sim.control.EeTargetControl`` declares as its
             workspace). Unused in delta mode.
         delta_scale_m: metres per unit of a delta position action (robosuite OSC_POSE: 0.05).
+        gripper_speed: ``None`` (the model sees only the fingers) or the gripper integrator's step per
+            control step (robosuite's Panda gripper: 0.2): see the module docstring.
+        finger_range_m: the travel of one finger joint (m; Panda: 0.04), for ``g_tgt(c)``.
 
     Raises:
         ValueError: ``state_dim != 9``, ``ensemble < 1``, or an action space whose mode is neither.
@@ -92,7 +109,8 @@ class ProprioDynamics(nn.Module):
 
     def __init__(self, action_space: ActionSpace | dict, state_dim: int = 9, ensemble: int = 5, hidden: int = 256,
                  depth: int = 2, target_box_m: float = 0.05, delta_scale_m: float = 0.05,
-                 workspace_low=None, workspace_high=None):
+                 workspace_low=None, workspace_high=None, gripper_speed: float | None = None,
+                 finger_range_m: float = 0.04):
         super().__init__()
         space = action_space if isinstance(action_space, ActionSpace) else ActionSpace.from_dict(dict(action_space))
         if state_dim != 9:
@@ -113,7 +131,9 @@ class ProprioDynamics(nn.Module):
         # the linear part of the position residual, per member: A (tracking of the target), B (velocity)
         self.track = nn.Parameter(torch.eye(3).repeat(self.k, 1, 1))
         self.carry = nn.Parameter(torch.zeros(self.k, 3, 3))
-        d_in = 3 + 3 + 6 + 2 + 2 + (space.dim - 3)
+        self.gripper_speed = None if gripper_speed is None else float(gripper_speed)
+        self.finger_range_m = float(finger_range_m)
+        d_in = 3 + 3 + 6 + 2 + 2 + (space.dim - 3) + (0 if self.gripper_speed is None else 3)
         dims = [d_in] + [int(hidden)] * int(depth) + [9]
         self.layers = nn.ModuleList(EnsembleLinear(self.k, a, b) for a, b in zip(dims[:-1], dims[1:]))
         with torch.no_grad():  # start at "the arm is at the commanded target"
@@ -134,13 +154,41 @@ class ProprioDynamics(nn.Module):
             rest = torch.cat([err, rest[..., 1:]], -1)
         return rest
 
-    def step(self, s: torch.Tensor, s_prev: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
-        """Next proprio ``(K, B, 9)`` from ``s``, ``s_prev`` ``(K, B, 9)`` and ``action`` ``(B, D_a)`` (or ``(K, B, D_a)``)."""
+    # ------------------------------------------------------------------ the gripper's command
+    def finger_targets(self, c: torch.Tensor) -> torch.Tensor:
+        """The finger joints' position targets ``(..., 2)`` (m) of gripper commands ``c`` ``(...)`` in [-1, 1]."""
+        j = self.finger_range_m * (1 - c) / 2
+        return torch.stack([j, -j], -1)
+
+    def command_at_rest(self, s: torch.Tensor) -> torch.Tensor:
+        """The gripper command ``(...)`` whose finger targets are where the fingers of proprio ``s``
+        ``(..., 9)`` are (the estimate at a rollout's start; module docstring)."""
+        gap = s[..., 7] - s[..., 8]
+        return (1 - gap / self.finger_range_m).clamp(-1, 1)
+
+    def commands(self, c0: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """The gripper command before each step and after the last, ``(B, T + 1)``, from ``c0`` ``(B,)``
+        under ``actions`` ``(B, T, D_a)`` (the gripper is the last action dim)."""
+        out, c = [c0], c0
+        for t in range(actions.shape[1]):
+            c = (c + self.gripper_speed * torch.sign(actions[:, t, -1])).clamp(-1, 1)
+            out.append(c)
+        return torch.stack(out, 1)
+
+    def step(self, s: torch.Tensor, s_prev: torch.Tensor, action: torch.Tensor,
+             command: torch.Tensor | None = None) -> torch.Tensor:
+        """Next proprio ``(K, B, 9)`` from ``s``, ``s_prev`` ``(K, B, 9)`` and ``action`` ``(B, D_a)`` (or
+        ``(K, B, D_a)``); ``command``: the gripper command ``(B,)`` after this step's action (with
+        ``gripper_speed``)."""
         a = action.expand(self.k, *action.shape[-2:]) if action.dim() == 2 else action
         pos, q, g = s[..., :3], s[..., 3:7], s[..., 7:9]
         tgt = self.commanded(pos, a)
-        x = torch.cat([(tgt - pos) / POS_UNIT, (pos - s_prev[..., :3]) / VEL_UNIT, rot6(q), g / GRIP_UNIT,
-                       (g - s_prev[..., 7:9]) / VEL_UNIT, self._other_action_dims(s, a)], -1)
+        feats = [(tgt - pos) / POS_UNIT, (pos - s_prev[..., :3]) / VEL_UNIT, rot6(q), g / GRIP_UNIT,
+                 (g - s_prev[..., 7:9]) / VEL_UNIT, self._other_action_dims(s, a)]
+        if self.gripper_speed is not None:
+            c = command.expand(self.k, command.shape[-1]).unsqueeze(-1)
+            feats += [c, (self.finger_targets(c.squeeze(-1)) - g) / GRIP_UNIT]
+        x = torch.cat(feats, -1)
         for i, layer in enumerate(self.layers):
             x = layer(x)
             if i < len(self.layers) - 1:
@@ -152,16 +200,27 @@ class ProprioDynamics(nn.Module):
         return torch.cat([lin + POS_UNIT * x[..., :3], q_next, g + 0.01 * x[..., 7:9]], -1)
 
     # ------------------------------------------------------------------ rollouts
-    def rollout(self, s0: torch.Tensor, actions: torch.Tensor, s_prev0: torch.Tensor | None = None) -> torch.Tensor:
+    def rollout(self, s0: torch.Tensor, actions: torch.Tensor, s_prev0: torch.Tensor | None = None,
+                command0: torch.Tensor | None = None, return_command: bool = False):
         """Proprio after each of ``T`` steps, ``(K, B, T, 9)``, from ``s0`` ``(B, 9)`` (and the step
-        before it, ``s_prev0``; default ``s0``: at rest) under ``actions`` ``(B, T, D_a)``."""
+        before it, ``s_prev0``; default ``s0``: at rest) under ``actions`` ``(B, T, D_a)``.
+
+        With ``gripper_speed``: ``command0`` ``(B,)`` is the gripper command at the start (``None``:
+        :meth:`command_at_rest` of ``s0``), and ``return_command=True`` returns ``(states, command
+        after the last step (B,))`` (``None`` without ``gripper_speed``)."""
         s = s0.unsqueeze(0).expand(self.k, *s0.shape)
         sp = s if s_prev0 is None else s_prev0.unsqueeze(0).expand(self.k, *s0.shape)
+        cmd = None
+        if self.gripper_speed is not None:
+            cmd = self.commands(self.command_at_rest(s0) if command0 is None else command0.to(s0), actions)
         out = []
         for t in range(actions.shape[1]):
-            s, sp = self.step(s, sp, actions[:, t]), s
+            s, sp = self.step(s, sp, actions[:, t], None if cmd is None else cmd[:, t + 1]), s
             out.append(s)
-        return torch.stack(out, 2)
+        states = torch.stack(out, 2)
+        if return_command:
+            return states, None if cmd is None else cmd[:, -1]
+        return states
 
     def loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
         """Unrolled loss of a window: ``batch["proprio"]`` ``float32 (B, T + 2, 9)`` (the step before

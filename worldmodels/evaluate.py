@@ -157,12 +157,7 @@ def closing_gap_error(model: ChunkFlowWorldModel, data: EpisodeFrames, gripper_d
         ``n = 0`` when no held-out chunk closes the gripper.
     """
     H = model.chunk_size
-    eps, ts = data.window_starts(H)
-    g = data.actions[:, gripper_dim] > 0
-    idx = data.offsets[eps][:, None] + ts[:, None] + np.arange(H)[None]
-    prev_open = np.where(ts[:, None] + np.arange(H)[None] > 0, ~g[np.maximum(idx - 1, 0)], True)
-    closes = (g[idx] & prev_open).any(1)
-    ep, t = eps[closes], ts[closes]
+    ep, t = data.gripper_switch_starts(H, gripper_dim, closing_only=True)
     dev = model.proprio_mean.device
     err, err_copy = [], []
     for i in range(0, len(ep), batch_size):

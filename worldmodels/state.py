@@ -21,6 +21,11 @@ class WMState:
         uncertainty: ``float32 (B,)``, the dynamics ensemble's disagreement (std of the predicted
             end-effector position over members, m) at the end of the last imagined chunk; ``None``
             for a state not imagined by a model with ``dynamics``.
+        gripper_command: ``float32 (B,)`` in [-1, 1], the gripper's integrated command after the last
+            imagined chunk (``worldmodels.dynamics``, ``gripper_speed``); ``None``: not known (a
+            dynamics model estimates it from the fingers).
+        anchor: ``float32 (B, 3 * n_cam, Hi, Wi)`` in [-1, 1], the real frames the rollout started
+            from (``init``'s context; WoVR's first-frame conditioning); ``None``: ``frames``.
     """
 
     frames: torch.Tensor
@@ -28,12 +33,42 @@ class WMState:
     task: list[str]
     prev_proprio: torch.Tensor | None = None
     uncertainty: torch.Tensor | None = None
+    gripper_command: torch.Tensor | None = None
+    anchor: torch.Tensor | None = None
 
     def index(self, idx: torch.Tensor) -> "WMState":
         il = idx.nonzero().flatten() if idx.dtype == torch.bool else idx
         return WMState(self.frames[il], self.proprio[il], [self.task[i] for i in il.tolist()],
                        None if self.prev_proprio is None else self.prev_proprio[il],
-                       None if self.uncertainty is None else self.uncertainty[il])
+                       None if self.uncertainty is None else self.uncertainty[il],
+                       None if self.gripper_command is None else self.gripper_command[il],
+                       None if self.anchor is None else self.anchor[il])
+
+    def merge(self, slots: torch.Tensor, other: "WMState") -> "WMState":
+        """A new state: this one, with the slots ``slots`` (``bool (B,)``) taken from ``other`` (same
+        ``B``). A missing ``prev_proprio`` counts as at rest (``proprio``), a missing ``uncertainty``
+        as 0; the result has both when either input has them. ``gripper_command`` is kept only when
+        both have it (an unknown command is estimated again from the fingers)."""
+        m = slots.to(self.frames.device)
+        pick = lambda a, b: torch.where(m.view(-1, *([1] * (a.dim() - 1))), b, a)   # noqa: E731
+        prev = None
+        if self.prev_proprio is not None or other.prev_proprio is not None:
+            prev = pick(self.proprio if self.prev_proprio is None else self.prev_proprio,
+                        other.proprio if other.prev_proprio is None else other.prev_proprio)
+        unc = None
+        if self.uncertainty is not None or other.uncertainty is not None:
+            zero = self.proprio.new_zeros(self.proprio.shape[0])
+            unc = pick(zero if self.uncertainty is None else self.uncertainty,
+                       zero if other.uncertainty is None else other.uncertainty)
+        cmd = None
+        if self.gripper_command is not None and other.gripper_command is not None:
+            cmd = pick(self.gripper_command, other.gripper_command)
+        task = [o if bool(f) else t for t, o, f in zip(self.task, other.task, m.tolist())]
+        anchor = None
+        if self.anchor is not None or other.anchor is not None:
+            anchor = pick(self.frames if self.anchor is None else self.anchor,
+                          other.frames if other.anchor is None else other.anchor)
+        return WMState(pick(self.frames, other.frames), pick(self.proprio, other.proprio), task, prev, unc, cmd, anchor)
 
     def assign(self, idx: torch.Tensor, sub: "WMState") -> None:
         """Write ``sub`` (the state of the slots ``idx``, a bool mask or indices) into these slots."""
@@ -46,6 +81,15 @@ class WMState:
             if self.uncertainty is None:
                 self.uncertainty = self.proprio.new_zeros(self.proprio.shape[0])
             self.uncertainty[idx] = sub.uncertainty
+        if sub.anchor is not None or self.anchor is not None:
+            if self.anchor is None:
+                self.anchor = self.frames.clone()
+            self.anchor[idx] = sub.frames if sub.anchor is None else sub.anchor
+        if self.gripper_command is not None:
+            if sub.gripper_command is None:
+                self.gripper_command = None     # unknown for some slots: estimated again from the fingers
+            else:
+                self.gripper_command[idx] = sub.gripper_command
 
 
 def to_unit(x: torch.Tensor) -> torch.Tensor:

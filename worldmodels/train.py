@@ -79,12 +79,15 @@ class WorldModelTask(_WindowTask):
     name = "world model"
 
     def __init__(self, model, config, data, heldout, rng, gen, batch_size: int, p_deterministic: float,
-                 p_pure_noise: float, video_chunks: int, out_dir: Path, fit_stats: bool, dynamics: dict | None = None):
+                 p_pure_noise: float, video_chunks: int, out_dir: Path, fit_stats: bool, dynamics: dict | None = None,
+                 grasp: dict | None = None):
         super().__init__(model, config, rng)
         self.data, self.heldout, self.gen, self.batch_size = data, heldout, gen, batch_size
         self.p_det, self.p_noise, self.video_chunks, self.out_dir = p_deterministic, p_pure_noise, video_chunks, out_dir
         self.fit_stats = fit_stats
         self.dyn = None if model.dynamics is None else {**DYNAMICS_TRAIN, **(dynamics or {})}
+        self.grasp = None if getattr(model, "grasp", None) is None else {**GRASP_TRAIN, **(grasp or {})}
+        self._switches = None
 
     def fresh_start(self):
         if self.fit_stats:
@@ -100,16 +103,68 @@ class WorldModelTask(_WindowTask):
             path = self.data.sample_paths(int(self.dyn["batch_size"]), H * int(self.dyn["unroll_chunks"]), self.rng)
             k = self.module.dynamics.k
             path["mask"] = (torch.rand(k, int(self.dyn["batch_size"]), generator=self.gen) < float(self.dyn["bootstrap"])).float()
-            yield w, path
+            yield (w, path) if self.grasp is None else (w, path, self.grasp_windows())
+
+    def grasp_windows(self):
+        """The finger-gap head's batch: a ``switch_fraction`` of windows in which the fingers move or
+        the commanded gripper switches (where the gap is decided), the rest drawn from every window.
+        For an ``imagined_fraction`` of the windows (those after the first chunk of their episode) the
+        frame at the start is the model's own one-chunk prediction from the real frame a chunk
+        earlier, as it is inside an imagined rollout. Returns ``(windows, anchor frames)``: for an
+        anchor head, the frames at an earlier step of the same episode (its first with probability
+        ``anchor_first``, else up to ``anchor_back_chunks`` chunks back), else ``None``."""
+        H, n = self.module.chunk_size, int(self.grasp["batch_size"])
+        d = self.data
+        if self._switches is None:
+            e0, t0 = d.window_starts(H)
+            g0, g1 = d.proprio[d.offsets[e0] + t0], d.proprio[d.offsets[e0] + t0 + H]
+            moving = np.abs((g1[:, 7] - g1[:, 8]) - (g0[:, 7] - g0[:, 8])) > float(self.grasp["moving_m"])
+            se, st = d.gripper_switch_starts(H)
+            self._switches = (np.concatenate([e0[moving], se]), np.concatenate([t0[moving], st]))
+        eps, ts = d.window_starts(H)
+        se, st = self._switches
+        n_sw = int(round(n * float(self.grasp["switch_fraction"]))) if len(se) else 0
+        a = self.rng.integers(0, max(len(se), 1), size=n_sw)
+        b = self.rng.integers(0, len(eps), size=n - n_sw)
+        ep, t = np.concatenate([se[a], eps[b]]), np.concatenate([st[a], ts[b]])
+        w = d.windows(ep, t, H)
+        imagined = (self.rng.random(n) < float(self.grasp["imagined_fraction"])) & (t >= H)
+        if imagined.any():
+            w.frames = w.frames.clone()
+            w.frames[imagined] = self._imagined_frames(ep[imagined], t[imagined])
+        w.frames = _augment(w.frames, self.rng, shift=int(self.grasp["shift_px"]), p_blur=float(self.grasp["p_blur"]))
+        anchor = None
+        if getattr(self.module, "grasp_anchor_camera", None) is not None:
+            back = np.minimum(t, int(self.grasp["anchor_back_chunks"]) * H)
+            ta = t - (self.rng.random(n) * (back + 1)).astype(np.int64)
+            ta = np.where(self.rng.random(n) < float(self.grasp["anchor_first"]), 0, ta)
+            anchor = _augment(torch.from_numpy(d.images[d.offsets[ep] + ta]), self.rng,
+                              shift=int(self.grasp["shift_px"]), p_blur=0.0)
+        return w, anchor
+
+    @torch.no_grad()
+    def _imagined_frames(self, ep: np.ndarray, t: np.ndarray) -> torch.Tensor:
+        """``uint8 (B, 3 * n_cam, Hi, Wi)``: the model's one-chunk prediction of the frames at steps
+        ``t`` from the real frames a chunk earlier and the recorded actions (the deterministic path,
+        conditioned on the recorded proprio at ``t``)."""
+        m, H = self.module, self.module.chunk_size
+        w = self.data.windows(ep, t - H, H)
+        frames = to_unit(w.frames)
+        residual = m.sample_residual(frames, w.proprio, w.actions, next_proprio=w.next_proprio)
+        return to_uint8(frames + residual)
 
     def loss(self, batch):
-        w, path = (batch, None) if self.dyn is None else batch
+        w, path, gw = (batch, None, None) if self.dyn is None else (tuple(batch) + (None,))[:3]
         out = self.module.loss(w.frames, w.proprio, w.actions, w.next_frames, w.next_proprio, generator=self.gen,
                                p_deterministic=self.p_det, p_pure_noise=self.p_noise)
         if path is not None:
             d_loss, d_metrics = self.module.dynamics_loss(path)
             out = {**out, "loss": out["loss"] + float(self.dyn["weight"]) * d_loss, "proprio": d_loss.detach(),
                    "dynamics_end_pos_err_cm": d_metrics["end_pos_err_cm"]}
+        if gw is not None:
+            gw, anchor = gw
+            g_loss = self.module.grasp_loss(gw.frames, gw.proprio, gw.prev_proprio, gw.actions, gw.next_proprio, anchor)
+            out = {**out, "loss": out["loss"] + float(self.grasp["weight"]) * g_loss, "grasp": g_loss.detach()}
         return out["loss"], out
 
     def scalars(self, out, info):
@@ -117,6 +172,8 @@ class WorldModelTask(_WindowTask):
               "train/proprio_mse": float(out["proprio"]), "train/grad_norm": info["grad_norm"], "train/lr": info["lr"]}
         if "dynamics_end_pos_err_cm" in out:
             sc["train/dynamics_end_pos_err_cm"] = out["dynamics_end_pos_err_cm"]
+        if "grasp" in out:
+            sc["train/grasp_loss"] = float(out["grasp"])
         return sc
 
     def evaluate(self, step, writer):
@@ -140,6 +197,14 @@ class WorldModelTask(_WindowTask):
 #: the weight of its loss beside the frames' (its loss is in cm^2-like units, see ProprioDynamics.loss)
 DYNAMICS_TRAIN = {"batch_size": 64, "unroll_chunks": 4, "bootstrap": 0.8, "weight": 0.1}
 
+#: training of a world model's finger-gap head (``grasp`` of :func:`train_world_model`): windows per
+#: step, the fraction of them in which the fingers move more than ``moving_m`` or the commanded
+#: gripper switches, the fraction whose start frame is the model's own prediction, the anchor's
+#: choice (:meth:`WorldModelTask.grasp_windows`), the frames' random shift (px) and blur fraction
+#: (:func:`_augment`), and the weight of its loss (smooth-L1 in 5 mm units)
+GRASP_TRAIN = {"batch_size": 64, "switch_fraction": 0.5, "moving_m": 0.005, "imagined_fraction": 0.5,
+               "anchor_first": 0.5, "anchor_back_chunks": 12, "shift_px": 4, "p_blur": 0.3, "weight": 0.1}
+
 
 def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: EpisodeFrames, out_dir: Path,
                       heldout: EpisodeFrames | None = None, steps: int = 2000, batch_size: int = 32,
@@ -148,7 +213,8 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
                       checkpoint_every: int = 250, video_chunks: int = 8, resume: bool = True,
                       tensorboard: bool = True, progress: bool = True, seed: int = 0,
                       p_deterministic: float = 0.25, p_pure_noise: float = 0.25, budget_clock: str = "wall",
-                      fit_stats: bool = True, lr_follows_budget: bool = True, dynamics: dict | None = None) -> dict:
+                      fit_stats: bool = True, lr_follows_budget: bool = True, dynamics: dict | None = None,
+                      grasp: dict | None = None) -> dict:
     """Train ``model`` on chunk windows of ``train`` with the one trainer; returns a report dict.
 
     ``model_config`` is the model's constructor arguments (saved in the checkpoint). Stats are fitted
@@ -156,7 +222,8 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
     normalisation). ``max_minutes`` bounds the training time (checkpoint at the end); the LR decays over
     it when it ends before ``steps`` unless ``lr_follows_budget=False`` (then over the steps only, and
     a run does not depend on the machine's speed). ``dynamics`` overrides :data:`DYNAMICS_TRAIN` for
-    a model with a dynamics ensemble (each step then also draws proprio paths). Resume is exact (``resume=True``, from
+    a model with a dynamics ensemble (each step then also draws proprio paths), ``grasp``
+    :data:`GRASP_TRAIN` for one with a finger-gap head (each step then also draws its windows). Resume is exact (``resume=True``, from
     ``out_dir/checkpoints/last``); a finished run returns its report unchanged.
 
     Raises:
@@ -165,7 +232,7 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
     out_dir = Path(out_dir)
     task = WorldModelTask(model, model_config, train, heldout, np.random.default_rng(seed),
                           torch.Generator().manual_seed(seed), batch_size, p_deterministic, p_pure_noise,
-                          video_chunks, out_dir, fit_stats, dynamics)
+                          video_chunks, out_dir, fit_stats, dynamics, grasp)
     tr = _fit(task, out_dir, max_minutes, steps=steps, lr=lr, weight_decay=weight_decay, warmup=warmup,
               grad_clip=grad_clip, log_every=log_every, eval_every=eval_every, ckpt_every=checkpoint_every,
               budget_clock=budget_clock, lr_follows_budget=lr_follows_budget, resume=resume, tensorboard=tensorboard,

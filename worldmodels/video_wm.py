@@ -27,6 +27,9 @@ Method (chosen for few-step sampling on CPU; its figures: docs/measurements.md, 
   (every control step, the commanded target as its prior, trained with an unrolled multi-chunk
   loss), whose prediction of the proprio after the chunk also conditions the frames, and whose
   members' disagreement is carried in ``WMState.uncertainty`` (m) for the imagination to halt on.
+* With ``grasp`` set as well, the finger joints after the chunk come from
+  ``worldmodels.grasp.GraspHead``: the dynamics' prediction corrected from the full-resolution wrist
+  frame at the chunk's start (whether the fingers will stop on a cube is visible there, not in the arm).
 
 Scaling (resolution, width, depth, attention, patch) is configuration only.
 """
@@ -65,6 +68,10 @@ class ChunkFlowWorldModel(nn.Module):
         dynamics: ``None`` (the proprio MLP head) or the keyword arguments of
             ``worldmodels.dynamics.ProprioDynamics`` (``action_space`` and the ensemble's sizes;
             the pipeline fills ``action_space`` from the store): see the module docstring.
+        grasp: ``None`` or the keyword arguments of ``worldmodels.grasp.GraspHead`` plus ``camera``
+            (default ``robot0_eye_in_hand``) and ``anchor_camera`` (``None``: no anchor; e.g.
+            ``agentview``: the head also reads that camera's real frame of the rollout's start,
+            ``WMState.anchor``): the finger-gap head; needs ``dynamics``.
         action_low, action_high: the action space's bounds, a float for every dim or one per dim
             (``D_a`` values; ``None``: -1 / 1, the OSC_POSE delta space). Actions are clipped to them
             and mapped to [-1, 1] per dim before they condition the model (for the delta space, an
@@ -77,7 +84,8 @@ class ChunkFlowWorldModel(nn.Module):
     set by :meth:`set_norm_stats` and saved with the weights; using an unfitted model raises.
 
     Declared capabilities: ``action_dim``, ``chunk_size`` and ``context_frames = 1`` (``init``
-    conditions on the last context frame only).
+    conditions on the last context frame only); ``UncertainWorldModel`` (:meth:`uncertainty`) and
+    ``SlotStateWorldModel`` (:meth:`merge_states`).
     """
 
     context_frames = 1
@@ -88,7 +96,7 @@ class ChunkFlowWorldModel(nn.Module):
                  attention_levels: Sequence[int] = (), patch: int = 2, sampling_steps: int = 1,
                  stochastic: bool = False, noise_scale: float = 1.0, action_low: float | Sequence[float] | None = -1.0,
                  action_high: float | Sequence[float] | None = 1.0, autocast_bf16: bool | str = "auto", proprio_hidden: int = 256,
-                 norm_num_groups: int = 16, dynamics: dict | None = None):
+                 norm_num_groups: int = 16, dynamics: dict | None = None, grasp: dict | None = None):
         super().__init__()
         hw = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
         action_dim = 7 if action_dim is None else int(action_dim)  # None: the OSC_POSE delta space's
@@ -145,6 +153,21 @@ class ChunkFlowWorldModel(nn.Module):
             if self.dynamics.space.dim != action_dim:
                 raise ValueError(f"dynamics.action_space has D_a={self.dynamics.space.dim}, the model action_dim={action_dim}")
             cond_in += state_dim   # the frames are also conditioned on the predicted proprio after the chunk
+        self.grasp, self.grasp_camera, self.grasp_anchor_camera = None, None, None
+        if grasp is not None:
+            from worldmodels.grasp import GraspHead
+
+            kw = dict(grasp)
+            cam = kw.pop("camera", "robot0_eye_in_hand")
+            anchor_cam = kw.pop("anchor_camera", None)
+            if self.dynamics is None:
+                raise ValueError("the grasp head corrects the dynamics' finger joints: set dynamics as well")
+            for c in [cam] + ([] if anchor_cam is None else [anchor_cam]):
+                if c not in self.cameras:
+                    raise ValueError(f"grasp camera {c!r} is not one of the model's cameras {self.cameras}")
+            self.grasp_camera = self.cameras.index(cam)
+            self.grasp_anchor_camera = None if anchor_cam is None else self.cameras.index(anchor_cam)
+            self.grasp = GraspHead(chunk_size, hw, anchor=anchor_cam is not None, **kw)
         self.cond_mlp = nn.Sequential(nn.Linear(cond_in, temb), nn.SiLU(), nn.Linear(temb, temb))
         pooled = c_img * 8 * 8
         if self.dynamics is None:
@@ -202,16 +225,52 @@ class ChunkFlowWorldModel(nn.Module):
                              "pass next_proprio (imagine() predicts it)")
         return torch.cat([a, p, (next_proprio.float() - self.proprio_mean) / self.proprio_std], dim=1)
 
-    def predict_proprio(self, state: "WMState", actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def predict_proprio(self, state: "WMState", actions: torch.Tensor, return_command: bool = False):
         """With ``dynamics``: the ensemble-mean proprio after the chunk and one step before it
-        (``float32 (B, D_s)`` each) and the members' disagreement at the chunk's end (``(B,)``, m)."""
+        (``float32 (B, D_s)`` each) and the members' disagreement at the chunk's end (``(B,)``, m);
+        with ``return_command`` also the gripper command after the chunk (``(B,)`` or ``None``, see
+        ``WMState.gripper_command``). With ``grasp``, the finger joints after the chunk are the grasp
+        head's, and the step before is shifted by the same correction (the fingers' velocity stays
+        the dynamics')."""
         prev = state.proprio if state.prev_proprio is None else state.prev_proprio
-        states = self.dynamics.rollout(state.proprio.float(), actions.float(), prev.float())   # (K, B, H, D_s)
+        states, cmd = self.dynamics.rollout(state.proprio.float(), actions.float(), prev.float(),
+                                            command0=state.gripper_command, return_command=True)   # (K, B, H, D_s)
         mean = states.mean(0)
         q = mean[..., 3:7] / mean[..., 3:7].norm(dim=-1, keepdim=True).clamp_min(1e-6)
         mean = torch.cat([mean[..., :3], q, mean[..., 7:]], -1)
         before = mean[:, -2] if mean.shape[1] > 1 else state.proprio.float()
-        return mean[:, -1], before, self.dynamics.disagreement(states)[:, -1]
+        end = mean[:, -1]
+        if self.grasp is not None:
+            fingers = self.grasp(self.grasp_frame(state.frames), state.proprio, actions, end,
+                                 self.grasp_frame(state.frames if state.anchor is None else state.anchor, anchor=True))
+            shift = fingers - end[:, 7:9]
+            end = torch.cat([end[:, :7], fingers, end[:, 9:]], -1)
+            before = torch.cat([before[:, :7], before[:, 7:9] + shift, before[:, 9:]], -1)
+        out = (end, before, self.dynamics.disagreement(states)[:, -1])
+        return out + (cmd,) if return_command else out
+
+    def grasp_frame(self, frames: torch.Tensor, anchor: bool = False) -> torch.Tensor | None:
+        """The grasp head's camera (``anchor``: its anchor camera; ``None`` without one) out of stacked
+        ``frames`` ``(B, 3 * n_cam, Hi, Wi)``: ``(B, 3, Hi, Wi)``."""
+        cam = self.grasp_anchor_camera if anchor else self.grasp_camera
+        if cam is None:
+            return None
+        return frames[:, 3 * cam:3 * cam + 3]
+
+    def grasp_loss(self, frames_u8: torch.Tensor, proprio: torch.Tensor, prev_proprio: torch.Tensor,
+                   actions: torch.Tensor, next_proprio: torch.Tensor, anchor_u8: torch.Tensor | None = None) -> torch.Tensor:
+        """The finger-gap head's loss (``GraspHead.loss``) on chunk windows: stacked ``frames_u8``
+        ``uint8 (B, 3 * n_cam, Hi, Wi)`` at the start, ``proprio`` / ``prev_proprio`` ``(B, D_s)``, ``actions``
+        ``(B, H, D_a)``, the recorded ``next_proprio`` ``(B, D_s)``, and for an anchor head the stacked
+        anchor frames ``anchor_u8`` (``None``: ``frames_u8``). The dynamics' prediction it corrects is
+        not trained by this loss. Raises ``RuntimeError`` without ``grasp``."""
+        if self.grasp is None:
+            raise RuntimeError("this world model has no grasp head (grasp=None)")
+        with torch.no_grad():
+            states = self.dynamics.rollout(proprio.float(), actions.float(), prev_proprio.float())
+        end = states.mean(0)[:, -1]
+        anchor = self.grasp_frame(to_unit(frames_u8 if anchor_u8 is None else anchor_u8), anchor=True)
+        return self.grasp.loss(self.grasp_frame(to_unit(frames_u8)), proprio, actions, end, next_proprio, anchor)
 
     def denoise(self, z: torch.Tensor, sigma: torch.Tensor, frames: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """x-prediction: residual estimate ``float32 (B, 3*n_cam, Hi, Wi)`` from the noisy residual
@@ -244,7 +303,17 @@ class ChunkFlowWorldModel(nn.Module):
         dev = self.proprio_mean.device
         if context.proprio.shape[1] != self.state_dim:
             raise ValueError(f"context proprio has D_s={context.proprio.shape[1]}, the model expects {self.state_dim}")
-        return WMState(to_unit(frames.to(dev)), context.proprio.float().to(dev), list(context.task))
+        frames, proprio = to_unit(frames.to(dev)), context.proprio.float().to(dev)
+        cmd = None
+        if self.dynamics is not None and self.dynamics.gripper_speed is not None:
+            cmd = self.dynamics.command_at_rest(proprio)
+        anchor = frames if self.grasp_anchor_camera is not None else None
+        return WMState(frames, proprio, list(context.task), gripper_command=cmd, anchor=anchor)
+
+    def merge_states(self, state: WMState, slots: torch.Tensor, other: WMState) -> WMState:
+        """``wmrl.kernel.interfaces.SlotStateWorldModel``: ``state`` with the slots ``slots``
+        (``bool (B,)``) from ``other`` (``WMState.merge``)."""
+        return state.merge(slots, other)
 
     def uncertainty(self, state: WMState) -> torch.Tensor | None:
         """``wmrl.kernel.interfaces.UncertainWorldModel``: the dynamics ensemble's disagreement at the
@@ -268,15 +337,16 @@ class ChunkFlowWorldModel(nn.Module):
         if actions.shape[0] != state.frames.shape[0]:
             raise ValueError(f"actions batch {actions.shape[0]} != state batch {state.frames.shape[0]}")
         actions = actions.to(state.frames.device)
-        proprio = before = unc = None
+        proprio = before = unc = cmd = None
         if self.dynamics is not None:   # the arm first: the frames are conditioned on it
-            proprio, before, unc = self.predict_proprio(state, actions)
+            proprio, before, unc, cmd = self.predict_proprio(state, actions, return_command=True)
         residual = self.sample_residual(state.frames, state.proprio, actions, generator, next_proprio=proprio)
         frames = (state.frames + residual).clamp(-1, 1)
         if self.dynamics is None:
             cond = self.condition(state.proprio, actions)
             proprio = state.proprio + self.proprio_delta(state.frames, cond) * self.delta_std
-        new = WMState(frames, proprio, list(state.task), before, unc)
+        new = WMState(frames, proprio, list(state.task), before, unc, cmd,
+                      None if self.grasp_anchor_camera is None else (state.frames if state.anchor is None else state.anchor))
         obs = Obs(images=split_cameras(to_uint8(frames), self.cameras), proprio=proprio.float(), task=list(state.task))
         return new, obs
 

@@ -155,6 +155,18 @@ class UncertainWorldModel(Protocol):
 
 
 @runtime_checkable
+class SlotStateWorldModel(Protocol):
+    """Capability: a world model whose batched state can be merged per slot, so that resetting (or
+    freezing) some imagined branches leaves the others' state whole (an ensemble's carried velocity,
+    the rollout's real start frame); without it the imagination re-``init``s every slot from its
+    last observation."""
+
+    def merge_states(self, state: Any, slots: torch.Tensor, other: Any) -> Any:
+        """A state equal to ``state`` except on ``slots`` (``bool (B,)``), which come from ``other``
+        (same batch ``B``); neither input is modified."""
+
+
+@runtime_checkable
 class ProgressCritic(Protocol):
     """Progress-value critic (RISE's progress value model)."""
 

@@ -1,0 +1,143 @@
+"""worldmodels.grasp.GraspHead and the world model's finger-gap head: it starts as the dynamics, it
+learns what only the camera shows, the world model trains it and uses it, bad settings are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from wmrl.kernel.types import PANDA_OSC_POSE
+from worldmodels.grasp import GraspHead
+
+
+def _tiny_cfg(**extra):
+    cfg = OmegaConf.to_container(OmegaConf.load("configs/worldmodel/tiny.yaml"))
+    cfg.pop("_target_")
+    return {**cfg, **extra}
+
+
+def test_the_head_learns_from_the_image_what_the_arm_cannot_tell():
+    """Fingers that stop at 4 cm when the wrist frame shows a cube (bright) and close to 0 otherwise:
+    from the same proprio and actions only the image tells the two apart. The untrained head is the
+    dynamics' prediction exactly; trained, it is far closer than the best blind guess."""
+    torch.manual_seed(0)
+    head = GraspHead(chunk_size=4, image_size=16, channels=(8, 8, 8, 8), hidden=32, dropout=0.0)
+    b = 64
+    cube = torch.rand(b) < 0.5
+    frame = torch.where(cube[:, None, None, None], 0.8, -0.8) + 0.1 * torch.randn(b, 3, 16, 16)
+    proprio = torch.zeros(b, 9)
+    proprio[:, 7], proprio[:, 8] = 0.04, -0.04
+    actions = torch.ones(b, 4, 7)
+    predicted = proprio.clone()
+    predicted[:, 7:9] = torch.tensor([0.01, -0.01])          # the blind dynamics: the mean of the two
+    target = proprio.clone()
+    target[:, 7] = torch.where(cube, 0.02, 0.0)
+    target[:, 8] = -target[:, 7]
+    assert torch.equal(head(frame, proprio, actions, predicted), predicted[:, 7:9])
+    opt = torch.optim.Adam(head.parameters(), 3e-3)
+    for _ in range(150):
+        loss = head.loss(frame, proprio, actions, predicted, target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    gap = lambda g: g[:, 0] - g[:, 1]   # noqa: E731
+    err = (gap(head(frame, proprio, actions, predicted)) - gap(target[:, 7:9])).abs().mean()
+    blind = (gap(predicted[:, 7:9]) - gap(target[:, 7:9])).abs().mean()
+    assert blind == pytest.approx(0.02) and err < 0.2 * blind
+
+
+def test_a_world_model_trains_its_grasp_head_and_imagines_with_it(tmp_path):
+    from worldmodels.data import EpisodeFrames
+    from worldmodels.synthetic import make_episodes
+    from worldmodels.train import train_world_model
+    from worldmodels.video_wm import ChunkFlowWorldModel, WMState
+
+    dyn = {"action_space": PANDA_OSC_POSE.to_dict(), "ensemble": 2, "hidden": 16}
+    cfg = _tiny_cfg(dynamics=dyn, grasp={"camera": "robot0_eye_in_hand", "channels": [8, 8, 8, 8], "hidden": 16})
+    torch.manual_seed(0)
+    wm = ChunkFlowWorldModel(**cfg)
+    eps = make_episodes(4, length=24, size=32, seed=3)
+    for e in eps:
+        e.actions[:, -1] = -1.0
+        e.actions[12:, -1] = 1.0
+    frames = EpisodeFrames(eps, cameras=wm.cameras)
+    w = frames.windows([0, 1], [9, 5], 4)
+    state = WMState(w.frames.float() / 127.5 - 1, w.proprio, ["t", "t"], prev_proprio=w.prev_proprio)
+    wm.set_norm_stats(torch.from_numpy(frames.proprio), torch.from_numpy(frames.proprio) * 0.1)
+    wm.eval()
+    untrained = wm.predict_proprio(state, w.actions)[0]
+    ens = wm.dynamics.rollout(w.proprio, w.actions, w.prev_proprio).mean(0)[:, -1]
+    assert torch.allclose(untrained[:, 7:9], ens[:, 7:9])          # starts as the dynamics
+    before = {k: v.clone() for k, v in wm.grasp.state_dict().items()}
+    rep = train_world_model(wm, cfg, frames, tmp_path, steps=3, batch_size=4, warmup=1, eval_every=1000,
+                            checkpoint_every=0, progress=False, tensorboard=False,
+                            dynamics={"batch_size": 8, "unroll_chunks": 2}, grasp={"batch_size": 8})
+    assert rep["steps"] == 3 and not wm.training
+    assert any(not torch.equal(before[k], v) for k, v in wm.grasp.state_dict().items())
+    new, obs = wm.imagine(state, w.actions)
+    head = wm.grasp(wm.grasp_frame(state.frames), state.proprio, w.actions,
+                    wm.dynamics.rollout(w.proprio, w.actions, w.prev_proprio).mean(0)[:, -1])
+    assert torch.allclose(new.proprio[:, 7:9], head) and torch.allclose(obs.proprio, new.proprio)
+
+
+def test_gripper_switch_windows():
+    from worldmodels.data import EpisodeFrames
+    from worldmodels.synthetic import make_episodes
+
+    eps = make_episodes(1, length=20, size=32, seed=4)
+    eps[0].actions[:, -1] = -1.0
+    eps[0].actions[6:12, -1] = 1.0         # closes at step 6, opens at 12
+    data = EpisodeFrames(eps)
+    e, t = data.gripper_switch_starts(4, closing_only=True)
+    assert t.tolist() == [3, 4, 5, 6] and set(e.tolist()) == {0}
+    _, t = data.gripper_switch_starts(4)
+    assert t.tolist() == [3, 4, 5, 6, 9, 10, 11, 12]
+    eps[0].actions[:, -1] = 1.0           # closed from the start: the first step is a close
+    _, t = EpisodeFrames(eps).gripper_switch_starts(4)
+    assert t.tolist() == [0]
+
+
+def test_bad_grasp_settings_are_refused():
+    from worldmodels.video_wm import ChunkFlowWorldModel
+
+    with pytest.raises(ValueError, match="set dynamics as well"):
+        ChunkFlowWorldModel(**_tiny_cfg(grasp={}))
+    dyn = {"action_space": PANDA_OSC_POSE.to_dict(), "ensemble": 2, "hidden": 16}
+    with pytest.raises(ValueError, match="not one of the model's cameras"):
+        ChunkFlowWorldModel(**_tiny_cfg(dynamics=dyn, grasp={"camera": "frontview"}))
+    with pytest.raises(ValueError, match="divisible by 16"):
+        GraspHead(chunk_size=4, image_size=24)
+
+
+def test_an_anchor_head_trains_on_imagined_frames_and_keeps_the_real_start_frame(tmp_path):
+    """With ``anchor_camera`` the head reads the rollout's real start frame: ``init`` keeps it in
+    ``WMState.anchor`` and every imagined state carries it unchanged; training draws half of the
+    head's windows with the model's own imagined start frame and an anchor from earlier in the
+    episode, and the head learns."""
+    from worldmodels.data import EpisodeFrames
+    from worldmodels.synthetic import make_episodes
+    from worldmodels.train import train_world_model
+    from worldmodels.video_wm import ChunkFlowWorldModel
+    from wmrl.kernel.types import Obs
+
+    dyn = {"action_space": PANDA_OSC_POSE.to_dict(), "ensemble": 2, "hidden": 16, "gripper_speed": 0.2}
+    cfg = _tiny_cfg(dynamics=dyn, grasp={"anchor_camera": "agentview", "channels": [8, 8, 8, 8], "hidden": 16})
+    torch.manual_seed(0)
+    wm = ChunkFlowWorldModel(**cfg)
+    eps = make_episodes(4, length=24, size=32, seed=3)
+    frames = EpisodeFrames(eps, cameras=wm.cameras)
+    before = {k: v.clone() for k, v in wm.grasp.state_dict().items()}
+    train_world_model(wm, cfg, frames, tmp_path, steps=3, batch_size=4, warmup=1, eval_every=1000, checkpoint_every=0,
+                      progress=False, tensorboard=False, dynamics={"batch_size": 8, "unroll_chunks": 2},
+                      grasp={"batch_size": 8, "imagined_fraction": 1.0})
+    assert any(not torch.equal(before[k], v) for k, v in wm.grasp.state_dict().items())
+    w = frames.windows([0, 1], [9, 5], 4)
+    ctx = Obs({c: w.frames[:, 3 * i:3 * i + 3] for i, c in enumerate(wm.cameras)}, w.proprio, ["t", "t"])
+    state = wm.init(ctx)
+    assert torch.equal(state.anchor, state.frames) and state.gripper_command.shape == (2,)
+    s1, _ = wm.imagine(state, w.actions)
+    s2, _ = wm.imagine(s1, w.actions)
+    assert torch.equal(s2.anchor, state.anchor) and not torch.equal(s2.frames, state.frames)
+    with pytest.raises(ValueError, match="pass anchor"):
+        wm.grasp(wm.grasp_frame(state.frames), state.proprio, w.actions, state.proprio)

@@ -239,3 +239,29 @@ def test_the_gripper_command_is_integrated_from_the_actions_and_carried_between_
     assert torch.allclose(whole[0, :, 6:], second[0], atol=1e-5) and torch.allclose(c_end, c[-1:])
     assert m.rollout(s0, a, return_command=True)[1] is not None
     assert ProprioDynamics(PANDA_EE_YAW, ensemble=1, hidden=8).rollout(s0, a, return_command=True)[1] is None
+
+
+def test_horizon_metrics_calibrate_the_halt_threshold_on_held_out_disagreement():
+    from omegaconf import OmegaConf
+
+    from worldmodels.data import EpisodeFrames
+    from worldmodels.evaluate import horizon_metrics
+    from worldmodels.synthetic import make_episodes
+    from worldmodels.video_wm import ChunkFlowWorldModel
+
+    cfg = OmegaConf.to_container(OmegaConf.load("configs/worldmodel/tiny.yaml"))
+    cfg.pop("_target_")
+    torch.manual_seed(0)
+    wm = ChunkFlowWorldModel(**{**cfg, "dynamics": {"action_space": PANDA_OSC_POSE.to_dict(), "ensemble": 3, "hidden": 16}}).eval()
+    with torch.no_grad():   # members that disagree
+        for layer in wm.dynamics.layers:
+            layer.weight.normal_(0, 0.5)
+    data = EpisodeFrames(make_episodes(3, length=20, size=32, seed=2))
+    wm.set_norm_stats(torch.from_numpy(data.proprio), torch.from_numpy(data.proprio) * 0.1 + 0.01)
+    hm = horizon_metrics(wm, data, max_chunks=3, start_stride=4)
+    assert len(hm["uncertainty_q99"]) == 3 and hm["halt_uncertainty_tau"] > 0
+    assert max(hm["uncertainty_q99"]) == pytest.approx(hm["halt_uncertainty_tau"], rel=0.5)
+    assert all(m <= q for m, q in zip(hm["uncertainty_mean"], hm["uncertainty_q99"]))
+    plain = ChunkFlowWorldModel(**cfg).eval()
+    plain.set_norm_stats(torch.from_numpy(data.proprio), torch.from_numpy(data.proprio) * 0.1 + 0.01)
+    assert "halt_uncertainty_tau" not in horizon_metrics(plain, data, max_chunks=2, start_stride=4)

@@ -141,3 +141,28 @@ def test_an_anchor_head_trains_on_imagined_frames_and_keeps_the_real_start_frame
     assert torch.equal(s2.anchor, state.anchor) and not torch.equal(s2.frames, state.frames)
     with pytest.raises(ValueError, match="pass anchor"):
         wm.grasp(wm.grasp_frame(state.frames), state.proprio, w.actions, state.proprio)
+
+
+def test_grasp_outcome_counts_misses_and_holds_from_the_real_fingers():
+    """Two episodes close the gripper at step 4; in one the fingers stop on a cube (2.8 cm), in the
+    other they close on nothing. A model whose fingers never move (an untrained dynamics ensemble)
+    calls every hold right and no miss."""
+    from worldmodels.data import EpisodeFrames
+    from worldmodels.evaluate import grasp_outcome
+    from worldmodels.synthetic import make_episodes
+    from worldmodels.video_wm import ChunkFlowWorldModel
+
+    dyn = {"action_space": PANDA_OSC_POSE.to_dict(), "ensemble": 2, "hidden": 16}
+    wm = ChunkFlowWorldModel(**_tiny_cfg(dynamics=dyn)).eval()
+    eps = make_episodes(2, length=24, size=32, seed=5)
+    for e, final in zip(eps, (0.028, 0.0)):
+        e.actions[:, -1] = -1.0
+        e.actions[4:, -1] = 1.0
+        e.proprio[:, 7], e.proprio[:, 8] = 0.04, -0.04
+        e.proprio[6:, 7], e.proprio[6:, 8] = final / 2, -final / 2
+    data = EpisodeFrames(eps, cameras=wm.cameras)
+    wm.set_norm_stats(torch.from_numpy(data.proprio), torch.from_numpy(data.proprio) * 0.1 + 0.01)
+    out = grasp_outcome(wm, data, chunks=2)
+    assert out["n"] == 2 * 4 and out["misses"] == 4          # windows t = 1..4 contain the close
+    assert out["hold_called"] == 1.0 and out["miss_called"] == 0.0 and len(out["gap_mae_m"]) == 2
+    assert grasp_outcome(wm, data, chunks=5)["n"] == 2 * 3    # H = 4: only t <= 3 can be followed 5 chunks (t + 20 <= 23)

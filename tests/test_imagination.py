@@ -340,3 +340,16 @@ def test_wm_state_merge_takes_the_slots_from_the_other_state():
     assert m.task == ["a", "b", "a"] and m.frames[1].eq(1).all() and m.frames[0].eq(0).all()
     assert m.prev_proprio[1].eq(2).all() and m.prev_proprio[0].eq(1).all()          # b at rest
     assert m.uncertainty.tolist() == [0.5, 0.0, 0.5] and a.frames.eq(0).all()
+
+
+def test_a_calibrated_halt_threshold_comes_from_the_world_models_report():
+    from wmrl.run.pipeline import _calibrated_env
+
+    env = {"num_envs": 4, "imagination": {"halt_uncertainty": "calibrated", "max_chunks": 3}}
+    out = _calibrated_env(env, {"heldout_horizons": {"halt_uncertainty_tau_m": 0.004}})
+    assert out["imagination"] == {"halt_uncertainty": 0.004, "max_chunks": 3} and out["num_envs"] == 4
+    assert _calibrated_env({"imagination": {"halt_uncertainty": 0.01}}, {}) == {"imagination": {"halt_uncertainty": 0.01}}
+    with pytest.raises(ValueError, match="dynamics ensemble"):
+        _calibrated_env(env, {"heldout_horizons": {}})
+    with pytest.raises(ValueError, match="give a number"):
+        ImaginationEnv(ArmWorldModel(), LevelCritic(), num_envs=1, halt_uncertainty="calibrated")

@@ -302,6 +302,7 @@ def test_entry_points_train_and_evaluate(tmp_path):
     erep = evaluate_worldmodel.run(ecfg, RunContext(ecfg, out_dir=tmp_path / "ev"))
     assert erep["horizons"]["horizon"] == [1, 2, 3]
     assert set(erep["acceptance"]) >= {"psnr_1chunk_gain_db>=3", "action_following_reduction>=0.2"}
+    assert {"closing_gap", "grasp_outcome"} <= set(erep) and erep["grasp_outcome"]["n"] >= 0
     # a store without the configured cameras is refused with a message naming them
     bad = _compose("train_worldmodel", ["worldmodel=tiny", f"store={store}", "worldmodel.cameras=[agentview,frontview]"])
     with pytest.raises(ValueError, match="frontview"):

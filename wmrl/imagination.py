@@ -152,6 +152,9 @@ class ImaginationEnv:
         self.proprio_success = proprio_success
         self._closed = np.zeros(self.num_envs, dtype=np.int64)
         self._z_low = np.zeros(self.num_envs)
+        if isinstance(halt_uncertainty, str):
+            raise ValueError(f"halt_uncertainty={halt_uncertainty!r}: give a number (m); 'calibrated' is resolved by wmrl "
+                             "pipeline from the world model's report (heldout_horizons.halt_uncertainty_tau_m)")
         if halt_uncertainty is not None and not isinstance(world_model, UncertainWorldModel):
             raise ValueError(f"halt_uncertainty needs a world model with the UncertainWorldModel capability; "
                              f"{type(world_model).__name__} has none (e.g. worldmodel=dynamics)")

@@ -79,6 +79,11 @@ def _summarise(sums: dict, cameras: Sequence[str], pos: list[int] | None) -> dic
     if pos is not None:
         out["position_error"] = [sums[k]["pos"] / sums[k]["n"] for k in ks]
         out["position_error_copy"] = [sums[k]["pos_copy"] / sums[k]["n"] for k in ks]
+    unc = [np.concatenate(sums[k]["unc"]) for k in ks if sums[k]["unc"]]
+    if unc:   # a model that reports its uncertainty (the dynamics ensemble's disagreement, m)
+        out["uncertainty_mean"] = [float(u.mean()) for u in unc]
+        out["uncertainty_q99"] = [float(np.quantile(u, 0.99)) for u in unc]
+        out["halt_uncertainty_tau"] = float(np.quantile(np.concatenate(unc), 0.99))
     # the same PSNR via torchmetrics on one batch, as a cross-check of the aggregate formula
     out["psnr_definition"] = "10*log10(1/MSE) over all pixels of all rollouts at a horizon, images in [0,1]"
     return out
@@ -102,8 +107,12 @@ def horizon_metrics(model: ChunkFlowWorldModel, data: EpisodeFrames, max_chunks:
     Returns:
         ``{"horizon": [1..K], "psnr": [...], "psnr_copy": [...], "ssim": [...], "ssim_copy": [...],
         "psnr_per_camera": {cam: [...]}, "n": [...], "position_error": [...],
-        "position_error_copy": [...], "proprio_mae": [[D_s floats], ...], "proprio_mae_copy": [...]}``
-        (dB for PSNR; ``position_error`` is the mean Euclidean distance in metres between the imagined
+        "position_error_copy": [...], "proprio_mae": [[D_s floats], ...], "proprio_mae_copy": [...]}``,
+        and for a model whose states carry ``uncertainty`` (the dynamics ensemble) ``uncertainty_mean``
+        / ``uncertainty_q99`` per horizon and ``halt_uncertainty_tau``, the 99th percentile of every
+        held-out rollout's disagreement over all horizons: the calibrated threshold τ at which an
+        imagined rollout halts (``env.imagination.halt_uncertainty``; MOReL halts outside the data's
+        support, Kidambi et al. 2020) (dB for PSNR; ``position_error`` is the mean Euclidean distance in metres between the imagined
         and the recorded end-effector position, ``proprio_mae`` the mean absolute error per proprio
         dimension in its units).
 
@@ -121,7 +130,8 @@ def horizon_metrics(model: ChunkFlowWorldModel, data: EpisodeFrames, max_chunks:
         raise ValueError(f"no held-out episode is longer than one chunk (H={H})")
     sums = {k: {"se": 0.0, "se_copy": 0.0, "npix": 0, "ssim": 0.0, "ssim_copy": 0.0, "n": 0,
                 "cam_se": np.zeros(len(model.cameras)), "pos": 0.0, "pos_copy": 0.0,
-                "ae": np.zeros(data.state_dim), "ae_copy": np.zeros(data.state_dim)} for k in range(1, max_chunks + 1)}
+                "ae": np.zeros(data.state_dim), "ae_copy": np.zeros(data.state_dim), "unc": []}
+            for k in range(1, max_chunks + 1)}
     for i in range(0, len(starts), batch_size):
         chunk = starts[i: i + batch_size]
         ep = np.array([e for e, _ in chunk])
@@ -139,6 +149,8 @@ def horizon_metrics(model: ChunkFlowWorldModel, data: EpisodeFrames, max_chunks:
             acts = torch.from_numpy(data.actions[data.offsets[ep][:, None] + a_idx]).to(dev)
             state, _ = model.imagine(state, acts, generator=generator)
             _accumulate(sums[k], model, data, state, first, p0, ep, t0 + k * H, valid, pos)
+            if getattr(state, "uncertainty", None) is not None:
+                sums[k]["unc"].append(state.uncertainty.float().cpu().numpy()[valid])
 
     return _summarise(sums, model.cameras, pos)
 
@@ -173,6 +185,50 @@ def closing_gap_error(model: ChunkFlowWorldModel, data: EpisodeFrames, gripper_d
         return {"mae_m": None, "mae_copy_m": None, "n": 0}
     e, c = torch.cat(err), torch.cat(err_copy)
     return {"mae_m": float(e.mean()), "mae_copy_m": float(c.mean()), "n": int(len(e))}
+
+
+@torch.no_grad()
+def grasp_outcome(model: ChunkFlowWorldModel, data: EpisodeFrames, chunks: int = 4, held_min_m: float = 0.025,
+                  miss_max_m: float = 0.01, gripper_dim: int = -1, batch_size: int = 64) -> dict:
+    """Can imagination tell a grasp from a miss? From every chunk start whose chunk closes the gripper
+    (:meth:`EpisodeFrames.gripper_switch_starts`), ``chunks`` chunks imagined autoregressively (the
+    model's own frames) with the recorded actions; the real outcome after them is a *miss* when the
+    real finger gap (proprio 7 minus 8, m) is below ``miss_max_m`` (closed on nothing), else a *hold*.
+
+    Returns:
+        ``{"n", "misses", "miss_called" (fraction of misses whose imagined gap is < held_min_m, the lift
+        rule's threshold), "hold_called" (fraction of holds whose imagined gap is >= held_min_m),
+        "gap_mae_m" (per chunk 1..chunks, over all starts)}``; ``n = 0`` and ``None`` values when no
+        held-out chunk closes the gripper early enough to be followed for ``chunks`` chunks.
+    """
+    H = model.chunk_size
+    ep, t = data.gripper_switch_starts(H, gripper_dim, closing_only=True)
+    keep = t + H * chunks <= data.lengths[ep] - 1
+    ep, t = ep[keep], t[keep]
+    if len(ep) == 0:
+        return {"n": 0, "misses": 0, "miss_called": None, "hold_called": None, "gap_mae_m": None}
+    dev = model.proprio_mean.device
+    gap = lambda p: p[..., 7] - p[..., 8]   # noqa: E731
+    pred, real = [], []
+    for i in range(0, len(ep), batch_size):
+        e, s = ep[i:i + batch_size], t[i:i + batch_size]
+        w = data.windows(e, s, H)
+        state = WMState(to_unit(w.frames.to(dev)), w.proprio.to(dev), [data.instructions[j] for j in e],
+                        prev_proprio=w.prev_proprio.to(dev))
+        g_pred, g_real = [], []
+        for k in range(chunks):
+            idx = data.offsets[e][:, None] + s[:, None] + k * H + np.arange(H)[None]
+            state, _ = model.imagine(state, torch.from_numpy(data.actions[idx]).to(dev))
+            g_pred.append(gap(state.proprio).float().cpu())
+            g_real.append(torch.from_numpy(gap(data.proprio[data.offsets[e] + s + (k + 1) * H])))
+        pred.append(torch.stack(g_pred, 1))
+        real.append(torch.stack(g_real, 1))
+    p, r = torch.cat(pred), torch.cat(real)
+    miss = r[:, -1] < miss_max_m
+    called = lambda m, ok: float(ok[m].float().mean()) if bool(m.any()) else None   # noqa: E731
+    return {"n": int(len(r)), "misses": int(miss.sum()), "miss_called": called(miss, p[:, -1] < held_min_m),
+            "hold_called": called(~miss, p[:, -1] >= held_min_m),
+            "gap_mae_m": [float(x) for x in (p - r).abs().mean(0)]}
 
 
 @torch.no_grad()

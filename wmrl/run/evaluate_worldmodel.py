@@ -12,6 +12,8 @@ Report (``report.json``):
   copy-last-frame, and the imagined end-effector position error in metres (``position_dims``) and
   proprio error per dimension against the start's proprio (``worldmodels.evaluate.horizon_metrics``);
 * ``action_following``: one-chunk MSE with the true actions vs with another episode's actions;
+* ``closing_gap`` and ``grasp_outcome``: the finger gap after the chunks that close the gripper, and
+  whether 4 imagined chunks from each close tell a grasp from a miss (``worldmodels.evaluate``);
 * ``critic``: AUROC success vs failure on held-out episodes (final frames);
 * ``policy_check``: success rate of a policy in ``ImaginationEnv`` and in the real ``SimEnv`` from the
   same eval init states (the imagined rollouts start from the sim's real first frame); with
@@ -78,7 +80,7 @@ def _policy_check(cfg: DictConfig, wm, critic, ctx: RunContext) -> dict:
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from wmrl.kernel.checkpoint import load_checkpoint
     from wmrl.run.data import load_splits
-    from worldmodels.evaluate import action_following, critic_auroc, horizon_metrics
+    from worldmodels.evaluate import action_following, closing_gap_error, critic_auroc, grasp_outcome, horizon_metrics
 
     dev = cfg.device
     wm = load_checkpoint(ctx.path(cfg.world_model), map_location=dev).eval()
@@ -94,6 +96,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
                          position_dims=cfg.get("position_dims"))
     report["horizons"] = hm
     report["action_following"] = action_following(wm, held, n=int(cfg.action_following_n), seed=int(cfg.seed))
+    report["closing_gap"] = closing_gap_error(wm, held)
+    report["grasp_outcome"] = grasp_outcome(wm, held)
     if critic is not None:
         report["critic"] = critic_auroc(critic, held)
     if cfg.policy_check.get("policy"):
@@ -118,6 +122,13 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     print("horizon  psnr   copy   gain   ssim  ssim_copy  eef_err_cm  copy_cm")
     for k, p, c, s, sc, e, ec in zip(hm["horizon"], hm["psnr"], hm["psnr_copy"], hm["ssim"], hm["ssim_copy"], pe, pc):
         print(f"{k:>7} {p:6.2f} {c:6.2f} {p - c:+6.2f} {s:6.3f} {sc:9.3f} {100 * e:11.2f} {100 * ec:8.2f}")
+    cg, go = report["closing_gap"], report["grasp_outcome"]
+    if cg["n"]:
+        print(f"finger gap after the {cg['n']} chunks that close the gripper: {100 * cg['mae_m']:.2f} cm "
+              f"(copy {100 * cg['mae_copy_m']:.2f} cm)")
+    if go["n"]:
+        print(f"grasps imagined 4 chunks from the close: misses called {go['miss_called']} of {go['misses']}, "
+              f"holds called {go['hold_called']} of {go['n'] - go['misses']}")
     for k, v in acc.items():
         print(f"{k}: {v['value']:.3f} {'PASS' if v['pass'] else 'FAIL'}")
     return report

@@ -223,8 +223,27 @@ def _grpo_config(job: _Job, paths: dict) -> DictConfig:
         "suite": job.suite_cfg,
         "starts": {**(to_container(S.grpo.get("starts", {})) or {}), "store": str(paths["mixed"])},   # keyframes: demos + rollouts
         "refresh": {**(to_container(S.grpo.get("refresh", {})) or {}), "store": str(paths["mixed"])},  # replay: the world model's data
-        "env": {**to_container(S.grpo.get("env", {}) or {}), "world_model": str(paths["worldmodel"]),
-                "critic": str(paths["critic"])}})
+        "env": _calibrated_env(to_container(S.grpo.get("env", {}) or {}), paths.get("wm_report") or {}) |
+               {"world_model": str(paths["worldmodel"]), "critic": str(paths["critic"])}})
+
+
+def _calibrated_env(env: dict, wm_report: dict) -> dict:
+    """GRPO's env config with ``imagination.halt_uncertainty: calibrated`` replaced by the world
+    model's held-out threshold (``heldout_horizons.halt_uncertainty_tau_m``, m).
+
+    Raises:
+        ValueError: ``calibrated`` for a world model whose report has no threshold (no dynamics ensemble,
+            or ``eval_horizon_chunks: 0``).
+    """
+    imag = dict(env.get("imagination") or {})
+    if imag.get("halt_uncertainty") != "calibrated":
+        return env
+    tau = (wm_report.get("heldout_horizons") or {}).get("halt_uncertainty_tau_m")
+    if tau is None:
+        raise ValueError("stages.grpo.env.imagination.halt_uncertainty=calibrated needs a world model with a dynamics "
+                         "ensemble (stage_groups.worldmodel=[\"worldmodel=dynamics\"]) and stages.worldmodel.eval_horizon_chunks > 0; "
+                         "or give a number (m)")
+    return {**env, "imagination": {**imag, "halt_uncertainty": float(tau)}}
 
 
 def _imagination_check(job: _Job, gcfg: DictConfig, bc_ckpt: Path) -> dict | None:

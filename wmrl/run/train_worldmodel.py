@@ -54,7 +54,7 @@ def heldout_horizons(checkpoint, held, max_chunks: int, position_dims, seed: int
     (``worldmodels.evaluate.horizon_metrics`` with the true actions): PSNR gain over copy-last-frame
     (dB) and the imagined end-effector position error (m) beside the copy baseline's."""
     from wmrl.kernel.checkpoint import load_checkpoint
-    from worldmodels.evaluate import closing_gap_error, horizon_metrics
+    from worldmodels.evaluate import closing_gap_error, grasp_outcome, horizon_metrics
 
     model = load_checkpoint(checkpoint, map_location="cpu").eval()
     if int(held.lengths.max()) <= model.chunk_size:
@@ -68,6 +68,17 @@ def heldout_horizons(checkpoint, held, max_chunks: int, position_dims, seed: int
     if cg["n"]:
         log.info("held-out finger-gap error over the %d chunks that close the gripper: %.2f cm (copy: %.2f cm)", cg["n"],
                  100 * cg["mae_m"], 100 * cg["mae_copy_m"])
+    go = out["grasp_outcome"] = grasp_outcome(model, held)
+    if go["n"]:
+        log.info("held-out grasps imagined 4 chunks from the close: %s of %d misses and %s of %d holds called right",
+                 "n/a" if go["miss_called"] is None else f"{go['miss_called']:.2f}", go["misses"],
+                 "n/a" if go["hold_called"] is None else f"{go['hold_called']:.2f}", go["n"] - go["misses"])
+    if "halt_uncertainty_tau" in hm:
+        out.update(uncertainty_mean_m=hm["uncertainty_mean"], uncertainty_q99_m=hm["uncertainty_q99"],
+                   halt_uncertainty_tau_m=hm["halt_uncertainty_tau"])
+        log.info("held-out ensemble disagreement 1..%d chunks ahead (mm, mean): %s; calibrated halt threshold "
+                 "(p99) %.2f mm", len(hm["horizon"]), " ".join(f"{1000 * u:.1f}" for u in hm["uncertainty_mean"]),
+                 1000 * hm["halt_uncertainty_tau"])
     if "position_error" in hm:
         out.update(position_error_m=hm["position_error"], position_error_copy_m=hm["position_error_copy"])
         log.info("held-out end-effector position error (cm) 1..%d chunks ahead: %s (copy: %s)", len(hm["horizon"]),

@@ -109,8 +109,9 @@ class WorldModelTask(_WindowTask):
         """The finger-gap head's batch: a ``switch_fraction`` of windows in which the fingers move or
         the commanded gripper switches (where the gap is decided), the rest drawn from every window.
         For an ``imagined_fraction`` of the windows (those after the first chunk of their episode) the
-        frame at the start is the model's own one-chunk prediction from the real frame a chunk
-        earlier, as it is inside an imagined rollout. Returns ``(windows, anchor frames)``: for an
+        start (frames and proprio) is where the model's own rollout of 1..``imagined_chunks`` chunks
+        from the real state that much earlier puts it, as inside an imagined rollout (a head trained
+        on real frames only is misled by imagined ones: docs/measurements.md). Returns ``(windows, anchor frames)``: for an
         anchor head, the frames at an earlier step of the same episode (its first with probability
         ``anchor_first``, else up to ``anchor_back_chunks`` chunks back), else ``None``."""
         H, n = self.module.chunk_size, int(self.grasp["batch_size"])
@@ -130,8 +131,12 @@ class WorldModelTask(_WindowTask):
         w = d.windows(ep, t, H)
         imagined = (self.rng.random(n) < float(self.grasp["imagined_fraction"])) & (t >= H)
         if imagined.any():
-            w.frames = w.frames.clone()
-            w.frames[imagined] = self._imagined_frames(ep[imagined], t[imagined])
+            most = np.minimum(t // H, int(self.grasp["imagined_chunks"]))
+            k = np.where(imagined, 1 + (self.rng.random(n) * most).astype(np.int64), 0)
+            w.frames, w.proprio, w.prev_proprio = w.frames.clone(), w.proprio.clone(), w.prev_proprio.clone()
+            for kk in np.unique(k[k > 0]):
+                sel = np.flatnonzero(k == kk)
+                w.frames[sel], w.proprio[sel], w.prev_proprio[sel] = self._imagined_start(ep[sel], t[sel], int(kk))
         w.frames = _augment(w.frames, self.rng, shift=int(self.grasp["shift_px"]), p_blur=float(self.grasp["p_blur"]))
         anchor = None
         if getattr(self.module, "grasp_anchor_camera", None) is not None:
@@ -143,15 +148,25 @@ class WorldModelTask(_WindowTask):
         return w, anchor
 
     @torch.no_grad()
-    def _imagined_frames(self, ep: np.ndarray, t: np.ndarray) -> torch.Tensor:
-        """``uint8 (B, 3 * n_cam, Hi, Wi)``: the model's one-chunk prediction of the frames at steps
-        ``t`` from the real frames a chunk earlier and the recorded actions (the deterministic path,
-        conditioned on the recorded proprio at ``t``)."""
-        m, H = self.module, self.module.chunk_size
-        w = self.data.windows(ep, t - H, H)
-        frames = to_unit(w.frames)
-        residual = m.sample_residual(frames, w.proprio, w.actions, next_proprio=w.next_proprio)
-        return to_uint8(frames + residual)
+    def _imagined_start(self, ep: np.ndarray, t: np.ndarray, chunks: int):
+        """The state at steps ``t`` as an imagined rollout reaches it: ``chunks`` chunks imagined by the
+        model (eval mode, its deterministic path) from the real state ``chunks * H`` steps earlier with
+        the recorded actions. Returns ``(frames uint8 (B, 3 * n_cam, Hi, Wi), proprio, prev_proprio
+        (B, D_s))``."""
+        m, H, d = self.module, self.module.chunk_size, self.data
+        t0 = t - chunks * H
+        w = d.windows(ep, t0, H)
+        state = WMState(to_unit(w.frames), w.proprio, [""] * len(ep), prev_proprio=w.prev_proprio)
+        was = m.training
+        m.eval()
+        try:
+            for c in range(chunks):
+                idx = d.offsets[ep][:, None] + t0[:, None] + c * H + np.arange(H)[None]
+                state, _ = m.imagine(state, torch.from_numpy(d.actions[idx]))
+        finally:
+            m.train(was)
+        prev = state.proprio if state.prev_proprio is None else state.prev_proprio
+        return to_uint8(state.frames), state.proprio.float(), prev.float()
 
     def loss(self, batch):
         w, path, gw = (batch, None, None) if self.dyn is None else (tuple(batch) + (None,))[:3]
@@ -202,7 +217,7 @@ DYNAMICS_TRAIN = {"batch_size": 64, "unroll_chunks": 4, "bootstrap": 0.8, "weigh
 #: gripper switches, the fraction whose start frame is the model's own prediction, the anchor's
 #: choice (:meth:`WorldModelTask.grasp_windows`), the frames' random shift (px) and blur fraction
 #: (:func:`_augment`), and the weight of its loss (smooth-L1 in 5 mm units)
-GRASP_TRAIN = {"batch_size": 64, "switch_fraction": 0.5, "moving_m": 0.005, "imagined_fraction": 0.5,
+GRASP_TRAIN = {"batch_size": 64, "switch_fraction": 0.5, "moving_m": 0.005, "imagined_fraction": 0.5, "imagined_chunks": 3,
                "anchor_first": 0.5, "anchor_back_chunks": 12, "shift_px": 4, "p_blur": 0.3, "weight": 0.1}
 
 

@@ -159,6 +159,7 @@ class ImaginationEnv:
             raise ValueError(f"halt_uncertainty needs a world model with the UncertainWorldModel capability; "
                              f"{type(world_model).__name__} has none (e.g. worldmodel=dynamics)")
         self.halt_uncertainty = None if halt_uncertainty is None else float(halt_uncertainty)
+        self._merges = isinstance(world_model, SlotStateWorldModel)   # the declared capability, read once
         self.halted = 0   # slots halted so far
 
     # ---------------------------------------------------------------- critic
@@ -188,7 +189,7 @@ class ImaginationEnv:
             self._finished[b] = False
         self._obs = obs
         fresh = self.world_model.init(obs)
-        if current is not None and self._state is not None and isinstance(self.world_model, SlotStateWorldModel):
+        if current is not None and self._state is not None and self._merges:
             mask = torch.zeros(self.num_envs, dtype=torch.bool)
             mask[idx] = True
             fresh = self.world_model.merge_states(self._state, mask, fresh)
@@ -263,7 +264,7 @@ class ImaginationEnv:
         if keep.any():
             images = {k: torch.where(keep[:, None, None, None], self._obs.images[k], v) for k, v in pred.images.items()}
             pred = Obs(images, torch.where(keep[:, None], self._obs.proprio, pred.proprio), pred.task)
-            if isinstance(self.world_model, SlotStateWorldModel):
+            if self._merges:
                 state = self.world_model.merge_states(state, keep, self._state)
             else:
                 state = self.world_model.init(pred)

@@ -149,7 +149,7 @@ def horizon_metrics(model: ChunkFlowWorldModel, data: EpisodeFrames, max_chunks:
             acts = torch.from_numpy(data.actions[data.offsets[ep][:, None] + a_idx]).to(dev)
             state, _ = model.imagine(state, acts, generator=generator)
             _accumulate(sums[k], model, data, state, first, p0, ep, t0 + k * H, valid, pos)
-            if getattr(state, "uncertainty", None) is not None:
+            if state.uncertainty is not None:
                 sums[k]["unc"].append(state.uncertainty.float().cpu().numpy()[valid])
 
     return _summarise(sums, model.cameras, pos)

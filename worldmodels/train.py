@@ -86,7 +86,7 @@ class WorldModelTask(_WindowTask):
         self.p_det, self.p_noise, self.video_chunks, self.out_dir = p_deterministic, p_pure_noise, video_chunks, out_dir
         self.fit_stats = fit_stats
         self.dyn = None if model.dynamics is None else {**DYNAMICS_TRAIN, **(dynamics or {})}
-        self.grasp = None if getattr(model, "grasp", None) is None else {**GRASP_TRAIN, **(grasp or {})}
+        self.grasp = None if model.grasp is None else {**GRASP_TRAIN, **(grasp or {})}
         self._switches = None
 
     def fresh_start(self):
@@ -98,12 +98,12 @@ class WorldModelTask(_WindowTask):
         for _ in range(start, stop):
             w = self.data.sample_windows(self.batch_size, H, self.rng)
             if self.dyn is None:
-                yield w
+                yield w, None, None
                 continue
             path = self.data.sample_paths(int(self.dyn["batch_size"]), H * int(self.dyn["unroll_chunks"]), self.rng)
             k = self.module.dynamics.k
             path["mask"] = (torch.rand(k, int(self.dyn["batch_size"]), generator=self.gen) < float(self.dyn["bootstrap"])).float()
-            yield (w, path) if self.grasp is None else (w, path, self.grasp_windows())
+            yield w, path, (None if self.grasp is None else self.grasp_windows())
 
     def grasp_windows(self):
         """The finger-gap head's batch: a ``switch_fraction`` of windows in which the fingers move or
@@ -133,13 +133,12 @@ class WorldModelTask(_WindowTask):
         if imagined.any():
             most = np.minimum(t // H, int(self.grasp["imagined_chunks"]))
             k = np.where(imagined, 1 + (self.rng.random(n) * most).astype(np.int64), 0)
+            sel = np.flatnonzero(k > 0)
             w.frames, w.proprio, w.prev_proprio = w.frames.clone(), w.proprio.clone(), w.prev_proprio.clone()
-            for kk in np.unique(k[k > 0]):
-                sel = np.flatnonzero(k == kk)
-                w.frames[sel], w.proprio[sel], w.prev_proprio[sel] = self._imagined_start(ep[sel], t[sel], int(kk))
+            w.frames[sel], w.proprio[sel], w.prev_proprio[sel] = self._imagined_start(ep[sel], t[sel], k[sel])
         w.frames = _augment(w.frames, self.rng, shift=int(self.grasp["shift_px"]), p_blur=float(self.grasp["p_blur"]))
         anchor = None
-        if getattr(self.module, "grasp_anchor_camera", None) is not None:
+        if self.module.grasp_anchor_camera is not None:
             back = np.minimum(t, int(self.grasp["anchor_back_chunks"]) * H)
             ta = t - (self.rng.random(n) * (back + 1)).astype(np.int64)
             ta = np.where(self.rng.random(n) < float(self.grasp["anchor_first"]), 0, ta)
@@ -148,28 +147,22 @@ class WorldModelTask(_WindowTask):
         return w, anchor
 
     @torch.no_grad()
-    def _imagined_start(self, ep: np.ndarray, t: np.ndarray, chunks: int):
-        """The state at steps ``t`` as an imagined rollout reaches it: ``chunks`` chunks imagined by the
-        model (eval mode, its deterministic path) from the real state ``chunks * H`` steps earlier with
-        the recorded actions. Returns ``(frames uint8 (B, 3 * n_cam, Hi, Wi), proprio, prev_proprio
-        (B, D_s))``."""
-        m, H, d = self.module, self.module.chunk_size, self.data
-        t0 = t - chunks * H
-        w = d.windows(ep, t0, H)
-        state = WMState(to_unit(w.frames), w.proprio, [""] * len(ep), prev_proprio=w.prev_proprio)
+    def _imagined_start(self, ep: np.ndarray, t: np.ndarray, chunks: np.ndarray):
+        """The state at steps ``t`` as an imagined rollout reaches it (:func:`imagine_from_real` with
+        ``chunks`` per window, the model in eval mode: its deterministic path). Returns ``(frames uint8
+        (B, 3 * n_cam, Hi, Wi), proprio, prev_proprio (B, D_s))``."""
+        m = self.module
         was = m.training
         m.eval()
         try:
-            for c in range(chunks):
-                idx = d.offsets[ep][:, None] + t0[:, None] + c * H + np.arange(H)[None]
-                state, _ = m.imagine(state, torch.from_numpy(d.actions[idx]))
+            state = imagine_from_real(m, self.data, ep, t, chunks)
         finally:
             m.train(was)
         prev = state.proprio if state.prev_proprio is None else state.prev_proprio
         return to_uint8(state.frames), state.proprio.float(), prev.float()
 
     def loss(self, batch):
-        w, path, gw = (batch, None, None) if self.dyn is None else (tuple(batch) + (None,))[:3]
+        w, path, gw = batch     # windows; the dynamics' proprio paths and the grasp head's windows, or None
         out = self.module.loss(w.frames, w.proprio, w.actions, w.next_frames, w.next_proprio, generator=self.gen,
                                p_deterministic=self.p_det, p_pure_noise=self.p_noise)
         if path is not None:
@@ -282,6 +275,26 @@ def _augment(frames: torch.Tensor, rng: np.random.Generator, shift: int = 4, p_b
 
 
 @torch.no_grad()
+@torch.no_grad()
+def imagine_from_real(world_model: ChunkFlowWorldModel, data: EpisodeFrames, ep: np.ndarray, t: np.ndarray,
+                      k: np.ndarray) -> WMState:
+    """The states at steps ``t`` of episode positions ``ep`` as imagination reaches them: ``k[i]``
+    chunks imagined from the real state ``k[i] * H`` steps earlier with the recorded actions (``k = 0``:
+    the real state; int arrays of one length ``B``, ``t >= k * H``). The model's own mode is used
+    (call it in eval mode for the deterministic path)."""
+    H, dev = world_model.chunk_size, world_model.proprio_mean.device
+    t0 = t - k * H
+    g0 = data.offsets[ep] + t0
+    state = WMState(to_unit(torch.from_numpy(data.images[g0]).to(dev)), torch.from_numpy(data.proprio[g0]).to(dev),
+                    [data.instructions[e] for e in ep], prev_proprio=data.proprio_before(ep, t0).to(dev))
+    for c in range(int(k.max()) if len(k) else 0):
+        live = torch.from_numpy(k > c)   # slots still to roll; the others keep their state
+        a_idx = g0[live.numpy()][:, None] + c * H + np.arange(H)[None]
+        sub, _ = world_model.imagine(state.index(live), torch.from_numpy(data.actions[a_idx]).to(dev))
+        state.assign(live, sub)
+    return state
+
+
 def imagined_frame_bank(world_model: ChunkFlowWorldModel, data: EpisodeFrames, size: int, max_chunks: int,
                         rng: np.random.Generator, batch_size: int = 64, progress: bool = True
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -317,16 +330,7 @@ def imagined_frame_bank(world_model: ChunkFlowWorldModel, data: EpisodeFrames, s
     bar = tqdm(total=size, desc="imagined frames for the critic", disable=not progress, dynamic_ncols=True)
     for i in range(0, size, batch_size):
         sel = order[i:i + batch_size]
-        kk = int(k[sel].max())
-        g0 = data.offsets[ep[sel]] + t[sel] - k[sel] * H
-        state = WMState(to_unit(torch.from_numpy(data.images[g0]).to(dev)), torch.from_numpy(data.proprio[g0]).to(dev),
-                        [data.instructions[e] for e in ep[sel]],
-                        prev_proprio=data.proprio_before(ep[sel], t[sel] - k[sel] * H).to(dev))
-        for c in range(kk):
-            live = torch.from_numpy(k[sel] > c)   # slots still to roll; the others keep their frame
-            a_idx = g0[live.numpy()][:, None] + c * H + np.arange(H)[None]
-            sub, _ = world_model.imagine(state.index(live), torch.from_numpy(data.actions[a_idx]).to(dev))
-            state.assign(live, sub)
+        state = imagine_from_real(world_model, data, ep[sel], t[sel], k[sel])
         images[sel] = to_uint8(state.frames).cpu().numpy()
         proprio[sel] = state.proprio.float().cpu().numpy()
         bar.update(len(sel))

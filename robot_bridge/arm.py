@@ -9,6 +9,7 @@ this package never imports ``sim``; the composition root (``wmrl/run/robot.py``)
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -39,15 +40,24 @@ class ChunkEnvArm:
         cameras: camera names in the env's observations.
         image_size: ``(Hi, Wi)``.
         state_dim: ``D_s``.
-        gripper_dim: index of the gripper command (kept when holding); ``None``: no gripper.
+        gripper_dim: index of the gripper command (kept when holding); ``None``: no gripper;
+            ``"auto"``: the last dimension of the env's ``action_space`` (6 for the 7-D ``OSC_POSE``
+            delta space, 4 for ``suite=ee``'s 5-D targets).
         gripper_open: gripper command before any command was sent.
 
-    ``hold_action`` is the zero delta (OSC_POSE delta: stay) with the last gripper command.
+    ``hold_action`` keeps the arm where it is: in a delta space (``action_space.mode == "delta"``,
+    or no ``action_space``) the zero delta; in the absolute ``yaw_down`` space (``suite=ee``) the
+    current end-effector pose as the target, ``(x, y, z, yaw)`` read from the Panda proprio
+    (``D_s = 9``: position in m, quaternion ``wxyz``), with the last gripper command.
     ``done()`` is true once the env terminated or truncated the episode.
+
+    Raises:
+        ValueError: an absolute action space other than ``yaw_down`` (no hold pose is known for it),
+            or a ``num_envs`` other than 1.
     """
 
     def __init__(self, env, starts: Sequence[Start] | Callable[[int], Start], cameras: Sequence[str],
-                 image_size: Sequence[int], state_dim: int = 9, gripper_dim: int | None = 6,
+                 image_size: Sequence[int], state_dim: int = 9, gripper_dim: int | None | str = "auto",
                  gripper_open: float = -1.0):
         if getattr(env, "num_envs", 1) != 1:
             raise ValueError(f"ChunkEnvArm drives one robot; build the env with num_envs=1, got {env.num_envs}")
@@ -57,7 +67,12 @@ class ChunkEnvArm:
         self.image_size = (int(image_size[0]), int(image_size[1]))
         self.action_dim = int(env.action_dim)
         self.state_dim = int(state_dim)
-        self.gripper_dim = gripper_dim
+        space = getattr(env, "action_space", None)
+        self.absolute = space is not None and getattr(space, "mode", "delta") == "absolute"
+        if self.absolute and (getattr(space, "rotation", "") != "yaw_down" or self.state_dim != 9):
+            raise ValueError(f"ChunkEnvArm holds absolute targets only in the yaw_down space with the Panda "
+                             f"proprio (D_s=9), got rotation={space.rotation!r}, D_s={self.state_dim}")
+        self.gripper_dim = self.action_dim - 1 if gripper_dim == "auto" else gripper_dim
         self.gripper_open = gripper_open
         self.task = ""
         self.task_name = ""
@@ -98,6 +113,12 @@ class ChunkEnvArm:
 
     def hold_action(self, last):
         h = np.zeros(self.action_dim, np.float32)
+        if self.absolute:  # the target where the end effector is now
+            with self._lock:
+                p = self._obs.proprio[0].detach().cpu().numpy().astype(np.float64)
+            w, x, y, z = p[3:7]
+            h[:3] = p[:3]
+            h[3] = math.atan2(2 * (x * y + w * z), 1 - 2 * (y * y + z * z))  # yaw: atan2(R[1,0], R[0,0])
         if self.gripper_dim is not None:
             h[self.gripper_dim] = self.gripper_open if last is None else last[self.gripper_dim]
         return h

@@ -6,10 +6,12 @@ Every command goes through :meth:`SafetyFilter.clip` before it reaches the robot
   joint limits for joint-position robots);
 * rate (velocity) limit: the change from the previous command is at most ``max_delta`` per step
   and dimension (``inf``: off);
-* workspace: for delta end-effector actions (``OSC_POSE``), the end-effector position the command
-  would reach, ``proprio[pos_index] + pos_scale * action[:3]``, is kept inside the box
-  ``[workspace_low, workspace_high]`` (m, robot base frame); the translation is shortened so
-  that the target lies on the box.
+* workspace: for delta end-effector actions (``OSC_POSE`` delta, ``mode="delta"``), the
+  end-effector position the command would reach, ``proprio[pos_index] + pos_scale * action[:3]``,
+  is kept inside the box ``[workspace_low, workspace_high]`` (m, robot base frame); the translation
+  is shortened so that the target lies on the box. For absolute end-effector targets
+  (``mode="absolute"``, e.g. ``suite=ee``'s ``(x, y, z, yaw, gripper)``) the target itself,
+  ``action[pos_dims]`` (m), is clipped to the box.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ class SafetyLimits:
         workspace_low, workspace_high: ``(3,)`` end-effector box in m, or ``None`` (off).
         pos_index: index of the end-effector x in ``proprio`` (``D_s = 9`` Panda layout: 0).
         pos_dims: indices of the action's x, y, z translation.
-        pos_scale: metres per unit of translation action (robosuite OSC_POSE ``output_max``: 0.05).
+        pos_scale: metres per unit of translation action (robosuite OSC_POSE ``output_max``: 0.05;
+            delta mode only).
+        mode: ``"delta"`` (translation relative to the current pose, scaled by ``pos_scale``) or
+            ``"absolute"`` (translation = target position in m), as the robot's ``ActionSpace.mode``.
     """
 
     low: float | list[float] = -1.0
@@ -42,6 +47,7 @@ class SafetyLimits:
     pos_index: int = 0
     pos_dims: list[int] = field(default_factory=lambda: [0, 1, 2])
     pos_scale: float = 0.05
+    mode: str = "delta"
 
 
 class SafetyFilter:
@@ -59,6 +65,8 @@ class SafetyFilter:
         self.high = np.broadcast_to(np.asarray(limits.high, np.float32), (action_dim,)).copy()
         if np.any(self.low > self.high):
             raise ValueError(f"SafetyLimits.low must be <= high, got {self.low} / {self.high}")
+        if limits.mode not in ("delta", "absolute"):
+            raise ValueError(f"SafetyLimits.mode must be 'delta' or 'absolute', got {limits.mode!r}")
         self.max_delta = (None if limits.max_delta is None else
                           np.broadcast_to(np.asarray(limits.max_delta, np.float32), (action_dim,)).copy())
         self.ws = None
@@ -87,7 +95,14 @@ class SafetyFilter:
             if not np.array_equal(c, a):
                 flags.add("rate")
             a = c
-        if self.ws is not None and proprio is not None:
+        if self.ws is not None and self.limits.mode == "absolute":
+            dims = self.limits.pos_dims
+            t = a[dims].astype(np.float64)
+            c = np.clip(t, *self.ws)
+            if not np.array_equal(c, t):
+                a[dims] = c.astype(np.float32)
+                flags.add("workspace")
+        elif self.ws is not None and proprio is not None:
             lo, hi = self.ws
             i0 = self.limits.pos_index
             pos = np.asarray(proprio, np.float64)[i0:i0 + 3]

@@ -217,6 +217,64 @@ def test_clip_workspace_box():
     assert a[0] == -1.0
 
 
+def test_clip_workspace_box_absolute_targets():
+    # suite=ee: the translation is the target itself (m), clipped to the box; yaw and gripper kept
+    f = SafetyFilter(SafetyLimits(low=[0.25, -0.35, -0.105, -3.2, -1.0], high=[0.85, 0.35, 0.35, 3.2, 1.0],
+                                  workspace_low=[0.3, -0.2, -0.1], workspace_high=[0.7, 0.2, 0.2],
+                                  mode="absolute"), 5)
+    proprio = np.zeros(9, np.float32)
+    a, flags = f.clip(np.array([0.5, 0.1, 0.0, 1.5, 1.0]), proprio)
+    assert not flags
+    np.testing.assert_allclose(a, [0.5, 0.1, 0.0, 1.5, 1.0])
+    a, flags = f.clip(np.array([0.8, -0.3, 0.3, 1.5, -1.0]), proprio)
+    assert "workspace" in flags
+    np.testing.assert_allclose(a, [0.7, -0.2, 0.2, 1.5, -1.0], atol=1e-6)
+    with pytest.raises(ValueError, match="mode"):
+        SafetyFilter(SafetyLimits(mode="velocity"), 7)
+
+
+def test_safety_range_follows_the_action_space():
+    from wmrl.kernel.types import PANDA_EE_YAW, PANDA_OSC_POSE
+    from wmrl.run.robot import safety_limits
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.create({"low": None, "high": None, "max_delta": None, "workspace_low": None,
+                             "workspace_high": None, "pos_scale": 0.05})
+    ee = safety_limits(node, PANDA_EE_YAW.to_dict())
+    assert ee.mode == "absolute" and ee.low == list(PANDA_EE_YAW.low) and ee.high == list(PANDA_EE_YAW.high)
+    delta = safety_limits(node, PANDA_OSC_POSE.to_dict())
+    assert delta.mode == "delta" and delta.low == [-1.0] * 7 and delta.high == [1.0] * 7
+    node.low = -0.5  # an explicit range wins
+    assert safety_limits(node, PANDA_OSC_POSE.to_dict()).low == -0.5
+
+
+def test_sim_arm_holds_where_it_is_in_both_action_spaces():
+    """ChunkEnvArm's hold: the zero delta in the OSC_POSE delta space, the current pose as the
+    target in suite=ee's absolute space (a zero there would send the arm to the base origin)."""
+    from robot_bridge.arm import ChunkEnvArm
+    from sim.control import EeTargetControl
+    from sim.env import SimEnv
+    from sim.init_states import get
+    from wmrl.kernel.types import Start
+
+    for control, dim in ((None, 7), (EeTargetControl(), 5)):
+        kw = {} if control is None else {"control": control}
+        env = SimEnv(num_envs=1, init_states=get, cameras=(), image_size=(16, 16), auto_reset=False, **kw)
+        arm = ChunkEnvArm(env, [Start(task_name="lift_red", instruction="lift", init_index=0, split="train")],
+                          cameras=[], image_size=(16, 16))
+        assert arm.gripper_dim == dim - 1
+        arm.reset_episode(0)
+        p0 = arm.observe()[0]
+        h = arm.hold_action(None)
+        assert h.shape == (dim,) and h[dim - 1] == -1.0
+        for _ in range(16):
+            arm.apply(arm.hold_action(None))
+        moved = np.abs(arm.observe()[0][:3] - p0[:3]).max()
+        assert moved < 5e-3, (dim, moved)  # ee: the init pose is turned to pointing down (~3 mm)
+        if control is not None:
+            np.testing.assert_allclose(h[:3], p0[:3], atol=1e-6)
+
+
 def test_watchdog_fires_after_silence():
     now = [0.0]
     w = Watchdog(0.5, clock=lambda: now[0])

@@ -122,6 +122,21 @@ def reconnect_policy(cfg: DictConfig) -> ReconnectPolicy:
                            give_up_after_s=None if r.give_up_after_s is None else float(r.give_up_after_s))
 
 
+def safety_limits(node, action_space: dict) -> SafetyLimits:
+    """``SafetyLimits`` from ``safety.*``: a null ``low`` / ``high`` is the action space's declared
+    range, and the workspace check reads the translation as the action space does (``mode``:
+    delta OSC_POSE steps or absolute targets)."""
+    from wmrl.kernel.types import ActionSpace
+
+    space = ActionSpace.from_dict(action_space)
+    s = OmegaConf.to_container(node, resolve=True)
+    lo, hi = space.bounds()
+    s["low"] = lo.tolist() if s.get("low") is None else s["low"]
+    s["high"] = hi.tolist() if s.get("high") is None else s["high"]
+    s["mode"] = space.mode
+    return SafetyLimits(**s)
+
+
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from robot_bridge.process import tune_process
     from wmrl.kernel.storage import EpisodeStore
@@ -130,7 +145,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     arm, action_space, embodiment = build_arm(cfg)
     limits = Limits(action_dim=arm.action_dim)
     client_cfg = ClientConfig(**OmegaConf.to_container(cfg.control, resolve=True))
-    safety = SafetyLimits(**OmegaConf.to_container(cfg.safety, resolve=True))
+    safety = safety_limits(cfg.safety, action_space)
     critic = build_critic(cfg, ctx)
     link, reconnect = make_link(cfg.transport), reconnect_policy(cfg)
     factory = transport_factory(link, arm, limits, float(cfg.control.control_hz))

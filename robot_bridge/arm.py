@@ -9,7 +9,6 @@ this package never imports ``sim``; the composition root (``wmrl/run/robot.py``)
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import threading
 import time
@@ -26,6 +25,7 @@ from robot_bridge.client import (
     episode_ran,
 )
 from robot_bridge.safety import SafetyLimits
+from wmrl.kernel.pose import yaw_of_down_quat
 from wmrl.kernel.types import Start
 
 log = logging.getLogger("robot_bridge.arm")
@@ -115,10 +115,9 @@ class ChunkEnvArm:
         h = np.zeros(self.action_dim, np.float32)
         if self.absolute:  # the target where the end effector is now
             with self._lock:
-                p = self._obs.proprio[0].detach().cpu().numpy().astype(np.float64)
-            w, x, y, z = p[3:7]
-            h[:3] = p[:3]
-            h[3] = math.atan2(2 * (x * y + w * z), 1 - 2 * (y * y + z * z))  # yaw: atan2(R[1,0], R[0,0])
+                p = self._obs.proprio[0].detach().cpu().double()
+            h[:3] = p[:3].numpy()
+            h[3] = float(yaw_of_down_quat(p[3:7]))
         if self.gripper_dim is not None:
             h[self.gripper_dim] = self.gripper_open if last is None else last[self.gripper_dim]
         return h

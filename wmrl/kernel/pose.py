@@ -1,7 +1,7 @@
 """End-effector pose helpers on the proprio layout of ``wmrl.kernel.types`` (``quat_wxyz`` at
 ``[3:7]``), shared by the components that read a gripper's yaw (``worldmodels.dynamics``,
-``policies.action_frames``). The numpy twins on rotation matrices for the simulator are
-``sim.control.yaw_of_down_mat`` / ``wrap_angle``."""
+``policies.action_frames``, the hold target of ``robot_bridge.arm``). The numpy twins on rotation
+matrices for the simulator are ``sim.control.yaw_of_down_mat`` / ``wrap_angle``."""
 
 from __future__ import annotations
 

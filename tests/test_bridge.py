@@ -234,9 +234,10 @@ def test_clip_workspace_box_absolute_targets():
 
 
 def test_safety_range_follows_the_action_space():
+    from omegaconf import OmegaConf
+
     from wmrl.kernel.types import PANDA_EE_YAW, PANDA_OSC_POSE
     from wmrl.run.robot import safety_limits
-    from omegaconf import OmegaConf
 
     node = OmegaConf.create({"low": None, "high": None, "max_delta": None, "workspace_low": None,
                              "workspace_high": None, "pos_scale": 0.05})

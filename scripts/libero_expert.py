@@ -8,6 +8,8 @@ Run in the LIBERO environment (``bash scripts/setup_libero.sh`` first)::
         --out runs/libero_expert.json                                    # state only (no rendering), ~6 s an episode here
     MUJOCO_GL=egl .venv-libero/bin/python scripts/libero_expert.py --tasks 0 --inits 0-4 --store runs/libero_demos
         # with both cameras rendered and recorded (~40 s an episode here)
+    ... --placement sampled --inits 0-19 --size 64 64 --store runs/libero_demos
+        # demonstrations on 20 placements of the env's own sampler, none of them an official init state
 
 The protocol is the evaluation's (``sim.libero.env.LiberoEnv``: seed, reset, init state, 10 settle
 steps, the 280-step limit, success = LIBERO's ``check_success``). The expert uses privileged state
@@ -44,6 +46,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", default="0-9")
     ap.add_argument("--inits", default="0-49")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--placement", choices=["official", "sampled"], default="official",
+                    help="official: the official init states --inits; sampled: the env's own object placement, "
+                         "seeded by seed * 100000 + k for k in --inits (demonstrations away from the official "
+                         "init states that evaluation uses)")
     ap.add_argument("--store", default=None, help="record every episode (with frames) into this EpisodeStore")
     ap.add_argument("--size", type=int, nargs=2, default=[128, 128], metavar=("H", "W"))
     ap.add_argument("--out", default="runs/libero_expert.json")
@@ -64,7 +70,9 @@ def main(argv=None) -> int:
         obj = env.objects_of_interest()[0]
         tt = time.monotonic()
         for k in parse_range(args.inits):
-            o = env.reset(k, seed=args.seed)
+            sampled = args.placement == "sampled"
+            ep_seed = args.seed * 100000 + k if sampled else args.seed
+            o = env.reset(None if sampled else k, seed=ep_seed)
             expert = ObjectPlaceExpert(obj)
             frames = {c: [] for c in o["images"]}
             proprio, actions, success, steps = [], [], False, 0
@@ -77,7 +85,7 @@ def main(argv=None) -> int:
                 actions.append(a)
                 o, _, success, done = env.step(a)
                 steps += 1
-            rows.append({"task": task.name, "task_index": ti, "init_index": k, "seed": args.seed,
+            rows.append({"task": task.name, "task_index": ti, "init_index": None if sampled else k, "seed": ep_seed,
                          "success": bool(success), "steps": steps, "phase": expert.phase})
             if store is not None:
                 from wmrl.kernel.types import Episode
@@ -87,7 +95,8 @@ def main(argv=None) -> int:
                     images={c: np.stack(v) for c, v in frames.items()}, proprio=np.stack(proprio),
                     actions=np.stack(actions), rewards=np.eye(1, T, T - 1, dtype=np.float32)[0] if success
                     else np.zeros(T, np.float32), success=bool(success), instruction=task.instruction,
-                    task_name=task.name, info={"suite": "libero_object", "init_index": k, "seed": args.seed,
+                    task_name=task.name, info={"suite": "libero_object", "init_index": -1 if sampled else k,
+                                               "placement": args.placement, "seed": ep_seed,
                                                "source": "scripted:libero_object"}))
         mine = [r for r in rows if r["task_index"] == ti]
         n_ok = sum(r["success"] for r in mine)
@@ -102,6 +111,7 @@ def main(argv=None) -> int:
                    "ci95": list(wilson_interval(sum(v), len(v)))} for t, v in per_task.items()}
     at80 = sum(v["rate"] >= 0.8 for v in summary.values())
     report = {"per_task": summary, "tasks_at_or_above_80pct": at80, "episodes": rows, "inits": args.inits,
+              "placement": args.placement,
               "time_s": time.monotonic() - t0, "recorded_to": args.store}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -165,6 +165,29 @@ def test_keyframe_starts_from_store(tmp_path):
         assert s.instruction == ep.instruction
 
 
+def test_keyframe_starts_first_steps_only(tmp_path):
+    """first_steps=1: every start is a stored episode's first frame (LIBERO's GRPO starts, no sim)."""
+    from wmrl.kernel.storage import EpisodeStore
+    from wmrl.rl.starts import KeyframeStarts
+
+    store = EpisodeStore.create(tmp_path / "s", cameras={"agentview": (32, 32), "robot0_eye_in_hand": (32, 32)},
+                                state_dim=9, action_dim=7, fps=20, action_space=PANDA_OSC_POSE, embodiment="toy",
+                                source="synthetic")
+    eps = make_episodes(3, length=20, size=32, seed=5)
+    for e in eps:
+        store.append(e)
+    starts = starts_from_store(store, 30, np.random.default_rng(0), first_steps=1)
+    assert {s.step for s in starts} == {0} and len({s.episode for s in starts}) == 3
+    for s in starts:
+        assert torch.equal(start_obs(s).images["agentview"][0], torch.from_numpy(eps[s.episode].images["agentview"][0]))
+    few = starts_from_store(store, 60, np.random.default_rng(1), first_steps=3)
+    assert {s.step for s in few} == {0, 1, 2}
+    ks = KeyframeStarts(tmp_path / "s", {t: t for t in set(store.task_names)}, per_task=2, seed=0, first_steps=1)
+    assert {s.step for s in ks(0)} == {0}
+    with pytest.raises(ValueError, match="first_steps"):
+        starts_from_store(store, 1, np.random.default_rng(0), first_steps=0)
+
+
 def test_keyframe_start_provider_per_task_and_reproducible(tmp_path):
     from wmrl.kernel.storage import EpisodeStore
     from wmrl.rl.starts import KeyframeStarts, MixedStarts

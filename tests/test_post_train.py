@@ -4,7 +4,6 @@ for evaluation and debiasing), resume, and the Hydra config composition."""
 import json
 
 import pytest
-import torch
 from grpo_fakes import GaussianChunkPolicy
 from omegaconf import OmegaConf
 
@@ -84,3 +83,31 @@ def test_trainable_prefixes_freeze_the_rest():
     assert len(builders.trainable_parameters(GaussianChunkPolicy(), None)) == 3
     with pytest.raises(ValueError, match="modules are"):
         builders.trainable_parameters(GaussianChunkPolicy(), ["head"])
+
+
+def test_store_only_starts_need_no_sim(tmp_path):
+    """starts.per_task=0 with keyframes: GRPO's starts come from the store alone (LIBERO demos), and
+    starts.first_steps=1 makes them the episodes' first frames; without keyframes it is an error."""
+    from wmrl.kernel.storage import EpisodeStore
+    from wmrl.kernel.types import PANDA_OSC_POSE
+    from wmrl.rl.starts import KeyframeStarts
+    from wmrl.run.grpo_job import _starts
+    from worldmodels.synthetic import make_episodes
+
+    store = EpisodeStore.create(tmp_path / "s", cameras={"agentview": (32, 32), "robot0_eye_in_hand": (32, 32)},
+                                state_dim=9, action_dim=7, fps=20, action_space=PANDA_OSC_POSE, embodiment="toy",
+                                source="synthetic")
+    for e in make_episodes(3, length=20, size=32, seed=5):
+        store.append(e)
+    tasks = {t: t for t in set(store.task_names)}
+    cfg = OmegaConf.create({"seed": 0, "env": {"context_starts": False},
+                            "starts": {"per_task": 0, "store": str(tmp_path / "s"), "keyframes_per_task": 2,
+                                       "first_steps": 1}})
+    ctx = RunContext(cfg, out_dir=tmp_path / "run")
+    fn = _starts(cfg, ctx, None, tasks, 0)
+    assert isinstance(fn, KeyframeStarts)
+    got = fn(0)
+    assert len(got) == 2 * len(tasks) and {s.step for s in got} == {0}
+    cfg.starts.keyframes_per_task = 0
+    with pytest.raises(ValueError, match="per_task=0 needs keyframe starts"):
+        _starts(cfg, ctx, None, tasks, 0)

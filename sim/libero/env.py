@@ -172,14 +172,15 @@ class LiberoEnv:
             raise IndexError(f"init index {index} out of range 0..{len(self._init_states) - 1}")
         return self._init_states[index]
 
-    def reset(self, init_index: int, seed: int | None = 0) -> dict:
+    def reset(self, init_index: int | None, seed: int | None = 0) -> dict:
         """Reset the current task to init state ``init_index`` and settle; returns :meth:`observation`.
-        A task without official init states (libero_90) is placed by the env's own sampler, seeded
-        by ``seed`` (``init_index`` is then ignored)."""
+        ``init_index=None``, or a task without official init states (libero_90): the objects are
+        placed by the env's own sampler (LIBERO's placement regions), seeded by ``seed``; this is how
+        demonstrations are collected away from the official init states that evaluation uses."""
         if self._env is None:
             raise RuntimeError("LiberoEnv.reset before load(task)")
         self._env.seed(seed)
-        if self._init_states is None:  # libero_90 ships no init states: the env's own placement (seeded)
+        if self._init_states is None or init_index is None:  # the env's own placement (seeded)
             raw = self._env.reset()
         else:
             state = self.init_state(init_index)

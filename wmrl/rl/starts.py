@@ -58,9 +58,10 @@ def all_starts(tasks: dict, n: int, split: str = "eval") -> list[Start]:
 
 
 def starts_from_store(store, n: int, rng: np.random.Generator, episodes: Sequence[int] | None = None,
-                      min_steps_left: int = 8, context: int = 1) -> list[Start]:
+                      min_steps_left: int = 8, context: int = 1, first_steps: int | None = None) -> list[Start]:
     """Keyframe starts: ``n`` (episode, step) pairs drawn uniformly over the steps of ``episodes``
-    (default all) of an ``EpisodeStore`` with at least ``min_steps_left`` steps after them.
+    (default all) of an ``EpisodeStore`` with at least ``min_steps_left`` steps after them
+    (``first_steps``: only among each episode's first ``first_steps`` steps; 1 = its first frame).
 
     Returns ``Start`` objects with ``context`` (the last ``context`` frames up to that step, padded
     by repeating step 0), ``episode``, ``step``, ``task_name``, ``instruction`` and, when stored,
@@ -71,6 +72,10 @@ def starts_from_store(store, n: int, rng: np.random.Generator, episodes: Sequenc
         raise ValueError("starts_from_store needs at least one episode")
     lengths = np.asarray(store.lengths)[eps]
     counts = np.maximum(lengths - min_steps_left, 0)
+    if first_steps is not None:
+        if int(first_steps) < 1:
+            raise ValueError(f"first_steps must be >= 1 (or None), got {first_steps}")
+        counts = np.minimum(counts, int(first_steps))
     if counts.sum() == 0:
         raise ValueError(f"no episode has more than min_steps_left={min_steps_left} steps")
     probs = counts / counts.sum()
@@ -127,7 +132,8 @@ class KeyframeStarts:
     with the real frame of that step as context. Imagined rollouts then begin mid-task and stay
     short (WoVR / World-Gymnast keyframe-initialised rollouts)."""
 
-    def __init__(self, store_path, tasks: dict, per_task: int, seed: int = 0, min_steps_left: int = 8):
+    def __init__(self, store_path, tasks: dict, per_task: int, seed: int = 0, min_steps_left: int = 8,
+                 first_steps: int | None = None):
         from wmrl.kernel.storage import EpisodeStore
 
         self.store = EpisodeStore.open(store_path, mode="r")
@@ -137,12 +143,13 @@ class KeyframeStarts:
         if missing:
             raise ValueError(f"keyframe store {store_path} has no episodes of tasks {missing}")
         self.per_task, self.seed, self.min_steps_left = int(per_task), int(seed), int(min_steps_left)
+        self.first_steps = None if first_steps is None else int(first_steps)
 
     def __call__(self, iteration: int) -> list[Start]:
         rng = np.random.default_rng([self.seed, 11, int(iteration)])
         return [s for t, eps in self.by_task.items()
                 for s in starts_from_store(self.store, self.per_task, rng, episodes=eps,
-                                           min_steps_left=self.min_steps_left)]
+                                           min_steps_left=self.min_steps_left, first_steps=self.first_steps)]
 
 
 class MixedStarts:

@@ -97,15 +97,21 @@ def _policy(cfg: DictConfig, policy_path):
 def _starts(cfg: DictConfig, ctx: RunContext, suite, tasks: dict, n_init: int):
     """GRPO's start provider: train init states, in imagination with their real first frames
     (``ContextStarts``) and optionally mixed with keyframes of ``starts.store``."""
-    starts_fn = InitStateStarts(tasks, n_init=n_init, per_task=cfg.starts.per_task, split="train", seed=cfg.seed)
     keyframes = int(cfg.starts.get("keyframes_per_task") or 0) if cfg.starts.get("store") else 0
+    first_steps = cfg.starts.get("first_steps")
+    if int(cfg.starts.per_task) == 0:   # keyframes of the store only: no sim is needed for the starts (LIBERO)
+        if keyframes <= 0:
+            raise ValueError("starts.per_task=0 needs keyframe starts: starts.store and starts.keyframes_per_task > 0")
+        return KeyframeStarts(ctx.path(cfg.starts.store), tasks, keyframes, seed=int(cfg.seed),
+                              first_steps=first_steps)
+    starts_fn = InitStateStarts(tasks, n_init=n_init, per_task=cfg.starts.per_task, split="train", seed=cfg.seed)
     if bool(cfg.env.get("context_starts", False)):   # e.g. an imagination env: real first frames
         ctx_env = instantiate(cfg.env.context_env) if cfg.env.get("context_env") else \
             make_sim_env(int(cfg.env.get("context_num_envs", 4)), suite=suite)
         starts_fn = ContextStarts(starts_fn, ctx_env)
         if keyframes > 0:
             starts_fn = MixedStarts(starts_fn, KeyframeStarts(ctx.path(cfg.starts.store), tasks, keyframes,
-                                                              seed=int(cfg.seed)))
+                                                              seed=int(cfg.seed), first_steps=first_steps))
     elif keyframes > 0:
         raise ValueError("starts.store (keyframe starts) needs env=imagination (env.context_starts): the sim "
                          "starts from init states")
@@ -197,7 +203,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     check_policy(policy, gcfg)
     ref_policy = make_reference(policy) if gcfg.kl_coef > 0 else None
     env = build_env(cfg.env, suite, seed=int(cfg.seed), device=str(cfg.device))
-    n_init = train_n_init(cfg.starts, suite, tasks)
+    n_init = train_n_init(cfg.starts, suite, tasks) if int(cfg.starts.per_task) > 0 else 0
     starts_fn = _starts(cfg, ctx, suite, tasks, n_init)
     hooks = loop.GRPOHooks(evaluation=_eval_hook(cfg, suite, tasks, eval_sampler),
                            checkpoint=loop.CheckpointHook(int(cfg.checkpoint_every)))

@@ -19,6 +19,9 @@ each is a ``run(cfg, ctx)`` of its entry-point module, called in process):
    model's held-out PSNR gain and end-effector position error per horizon), plots
    (``success_before_after.png``, ``imagined_vs_real.png``) and videos (``videos/*.mp4``).
 
+``suite=libero_object`` runs the loop on the original LIBERO suite instead (``wmrl.run.libero_pipeline``:
+LIBERO env workers for demos and evaluation, the ``libero`` settings below).
+
 ``preset=debug`` shrinks every stage so that the whole loop runs in about a minute (tests).
 Every ``stages.<stage>`` key is checked against that stage's own config before anything runs (an
 unknown key or a value of the wrong type is an error, not a setting silently ignored 20 minutes later).
@@ -115,6 +118,10 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     try:
         cfg = apply_preset(cfg, *command_line_overrides())
         check_stage_overrides(cfg)
+        if cfg.suite.get("libero"):  # the original LIBERO suites: LIBERO env workers (wmrl.run.libero_pipeline)
+            from wmrl.run.libero_pipeline import run as run_libero_pipeline
+
+            return run_libero_pipeline(cfg, ctx)
         return _run(cfg, ctx)
     except SettingsRefused:
         ctx.restore_config()

@@ -286,3 +286,29 @@ def test_object_place_expert_on_a_kinematic_arm():
         phases.append(ex.phase)
     assert phases[-1] == "release" and grips[0] == -1.0 and grips[-1] == -1.0 and max(grips) == 1.0
     assert np.linalg.norm(obj[:2] - basket[:2]) < 0.02 and obj[2] < 0.2
+
+
+@needs_libero_env
+@pytest.mark.slow
+def test_libero_pipeline_runs_end_to_end(tmp_path):
+    """``wmrl pipeline suite=libero_object preset=debug`` on one task: 2 expert demos on sampled
+    placements, tiny BC / world model / critic, GRPO in imagination from the demos' first frames,
+    evaluation before and after on official init state 0 through a LIBERO env worker (32-step cap);
+    the report has every stage's time and the imagination-vs-LIBERO speed (about 3 minutes here)."""
+    import json
+    import sys
+
+    out = tmp_path / "p"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MUJOCO_GL="egl")
+    r = subprocess.run([sys.executable, "-m", "wmrl.cli", "pipeline", "suite=libero_object", "preset=debug",
+                        "libero.tasks=[0]", "libero.demos.placements=2", "libero.demos.workers=1", "libero.inits=[0]",
+                        "libero.workers=1", "libero.grpo.grpo.max_chunks=2", "libero.grpo.env.imagination.max_chunks=2",
+                        "suite.max_steps_cap=32", "+stages.worldmodel.heldout_every=2",
+                        "+stages.critic.heldout_every=2", f"hydra.run.dir={out}"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=1200, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert set(rep["stages"]) == {"collect", "bc", "worldmodel", "critic", "eval_before", "grpo", "eval_after"}
+    assert rep["before"]["episodes"] == 1 and rep["after"]["episodes"] == 1
+    assert rep["speed"]["imagination_steps_per_s"] > 0 and rep["speed"]["libero_steps_per_s_per_process"] > 0
+    assert sum(v["episodes"] for v in rep["demos"]["expert_success"].values()) == 2

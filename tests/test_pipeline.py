@@ -229,3 +229,22 @@ def test_plots_are_written(tmp_path):
     q = figures.plot_imagined_vs_real(hist, evals, tmp_path / "iv.png")
     for f in (p, q):
         assert f.is_file() and f.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_stage_override_may_replace_a_list_by_a_dict():
+    """The LIBERO pipeline gives GRPO its tasks as ``name -> instruction`` (no sim suite knows them),
+    where post_train.yaml has a list of names: the override replaces the key instead of failing."""
+    cfg = stages.compose_stage_config("post_train", {"tasks": {"pick_x": "pick up the x"}, "starts": {"per_task": 0}})
+    assert OmegaConf.to_container(cfg.tasks) == {"pick_x": "pick up the x"}
+    assert int(cfg.starts.per_task) == 0 and "keyframes_per_task" in cfg.starts   # nested dicts still merge
+
+
+def test_the_libero_pipeline_needs_the_libero_object_expert(tmp_path):
+    """``wmrl pipeline`` dispatches a LIBERO suite to wmrl.run.libero_pipeline, which collects with
+    the libero_object expert only: another LIBERO suite is a clear error before anything runs."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("configs", version_base="1.3"):
+        cfg = compose("pipeline", overrides=["suite=libero_goal"])
+    with pytest.raises(ValueError, match="suite=libero_goal has no expert"):
+        pipeline.run(cfg, RunContext(cfg, out_dir=tmp_path))

@@ -157,11 +157,12 @@ def horizon_metrics(model: ChunkFlowWorldModel, data: EpisodeFrames, max_chunks:
 
 @torch.no_grad()
 def closing_gap_error(model: ChunkFlowWorldModel, data: EpisodeFrames, gripper_dim: int = -1,
-                      gap_dims: tuple[int, int] = (7, 8), batch_size: int = 64) -> dict:
+                      gap_dims: tuple[int, int] = (-2, -1), batch_size: int = 64) -> dict:
     """Finger-gap error of one imagined chunk over the chunks in which the gripper closes (the
     commanded gripper, action dim ``gripper_dim``, goes from open (<= 0) to closed (> 0) inside the
     chunk): what decides whether imagination can tell a grasp from a miss. The gap is
-    ``proprio[gap_dims[0]] - proprio[gap_dims[1]]`` (m) after the chunk, imagined from the real state
+    ``proprio[gap_dims[0]] - proprio[gap_dims[1]]`` (m; the default, the last two proprio dims, is the
+    two finger joints in both the embedded suite's 9-D and LIBERO's 8-D proprio) after the chunk, imagined from the real state
     at the chunk's start with the recorded actions, against the recorded one.
 
     Returns:
@@ -193,7 +194,7 @@ def grasp_outcome(model: ChunkFlowWorldModel, data: EpisodeFrames, chunks: int =
     """Can imagination tell a grasp from a miss? From every chunk start whose chunk closes the gripper
     (:meth:`EpisodeFrames.gripper_switch_starts`), ``chunks`` chunks imagined autoregressively (the
     model's own frames) with the recorded actions; the real outcome after them is a *miss* when the
-    real finger gap (proprio 7 minus 8, m) is below ``miss_max_m`` (closed on nothing), else a *hold*.
+    real finger gap (the last two proprio dims, the finger joints, m) is below ``miss_max_m`` (closed on nothing), else a *hold*.
 
     Returns:
         ``{"n", "misses", "miss_called" (fraction of misses whose imagined gap is < held_min_m, the lift
@@ -208,7 +209,7 @@ def grasp_outcome(model: ChunkFlowWorldModel, data: EpisodeFrames, chunks: int =
     if len(ep) == 0:
         return {"n": 0, "misses": 0, "miss_called": None, "hold_called": None, "gap_mae_m": None}
     dev = model.proprio_mean.device
-    gap = lambda p: p[..., 7] - p[..., 8]   # noqa: E731
+    gap = lambda p: p[..., -2] - p[..., -1]   # noqa: E731
     pred, real = [], []
     for i in range(0, len(ep), batch_size):
         e, s = ep[i:i + batch_size], t[i:i + batch_size]

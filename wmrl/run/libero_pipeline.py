@@ -173,9 +173,15 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
     entry("bc", {**common, **to_container(S.bc), "store": str(demos), "only_successful": True})
     bc_ckpt = out / "bc" / "checkpoints" / "last"
-    wm_rep = entry("worldmodel", {**common, **to_container(S.worldmodel), "store": str(demos)})
+    # the world model and critic take LIBERO's frame size and proprio (8-D) from the demos' store
+    from wmrl.kernel.storage import EpisodeStore
+
+    st = EpisodeStore.open(demos, mode="r")
+    shape = {"image_size": int(next(iter(st.cameras.values()))[0]), "state_dim": int(st.state_dim)}
+    wm_over = to_container(OmegaConf.merge({"worldmodel": shape}, S.worldmodel or {}))
+    wm_rep = entry("worldmodel", {**common, **wm_over, "store": str(demos)})
     wm_ckpt = out / "worldmodel" / "checkpoints" / "last"
-    critic_over = to_container(S.critic) or {}
+    critic_over = to_container(OmegaConf.merge({"critic": shape}, S.critic or {})) or {}
     critic_over["imagined"] = {**(critic_over.get("imagined") or {}), "world_model": str(wm_ckpt)}
     entry("critic", {**common, **critic_over, "store": str(demos)})
     critic_ckpt = out / "critic" / "checkpoints" / "last"

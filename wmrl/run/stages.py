@@ -26,7 +26,8 @@ log = logging.getLogger("wmrl.pipeline")
 def compose_stage_config(config_name: str, overrides: dict | DictConfig | None = None,
                          groups: list[str] | None = None) -> DictConfig:
     """Compose ``configs/<config_name>.yaml`` with Hydra (``groups``: group selections such as
-    ``"env=imagination"``), then merge ``overrides`` (a nested dict) on top."""
+    ``"env=imagination"``), then merge ``overrides`` (a nested dict) on top; a top-level override that
+    changes a key's kind (a dict of ``name -> instruction`` for a list of task names) replaces it."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
@@ -38,7 +39,12 @@ def compose_stage_config(config_name: str, overrides: dict | DictConfig | None =
             cfg = compose(config_name, overrides=groups)
     OmegaConf.set_struct(cfg, False)
     if overrides:
-        cfg = OmegaConf.merge(cfg, OmegaConf.create(to_container(overrides)))
+        over = OmegaConf.create(to_container(overrides))
+        for k, v in over.items():  # OmegaConf cannot merge a dict onto a list (or back): replace the key
+            if k in cfg and OmegaConf.is_config(cfg[k]) and OmegaConf.is_config(v) \
+                    and OmegaConf.is_list(cfg[k]) != OmegaConf.is_list(v):
+                cfg[k] = None
+        cfg = OmegaConf.merge(cfg, over)
     return cfg
 
 

@@ -13,8 +13,6 @@ take the same random action chunks.
 
 from __future__ import annotations
 
-import time
-
 import hydra
 import torch
 from hydra.utils import instantiate
@@ -22,21 +20,7 @@ from omegaconf import DictConfig
 
 from wmrl.kernel.types import Obs, Start
 from wmrl.run.common import RunContext, run_main
-
-
-def _random_chunks(n: int, b: int, h: int, d: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(n, b, h, d, generator=g) * 2 - 1
-
-
-def _timed(env, starts, chunks: torch.Tensor) -> tuple[float, int]:
-    env.reset(starts)
-    steps = 0
-    t0 = time.perf_counter()
-    for a in chunks:
-        res = env.step(a)
-        steps += int(res.steps_executed.sum())
-    return time.perf_counter() - t0, steps
+from wmrl.run.measure import random_chunks, timed_chunks
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
@@ -67,8 +51,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         task = suite.task_names[0]
         sim_starts = [suite.eval_start(task, j) for j in range(int(cfg.sim.num_envs))]
         first = sim_env.reset(sim_starts)
-        chunks = _random_chunks(int(cfg.sim.chunks), int(cfg.sim.num_envs), H, D, int(cfg.seed))
-        sec, steps = _timed(sim_env, sim_starts, chunks)
+        chunks = random_chunks(int(cfg.sim.chunks), int(cfg.sim.num_envs), H, D, int(cfg.seed))
+        sec, steps = timed_chunks(sim_env, sim_starts, chunks)
         sim_sps = steps / sec
         report["sim"] = {"num_envs": int(cfg.sim.num_envs), "control_steps": steps, "seconds": round(sec, 3),
                          "steps_per_s": sim_sps}
@@ -84,10 +68,10 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
             starts.append(Start(task_name="bench", instruction="bench", context=o))
 
     env = ImaginationEnv(wm, critic, num_envs=B, max_chunks=10 ** 6, success_threshold=2.0, seed=int(cfg.seed))
-    warm = _random_chunks(int(cfg.warmup_chunks), B, H, D, int(cfg.seed) + 1)
-    _timed(env, starts, warm)
-    chunks = _random_chunks(int(cfg.chunks), B, H, D, int(cfg.seed) + 2)
-    sec, steps = _timed(env, starts, chunks)
+    warm = random_chunks(int(cfg.warmup_chunks), B, H, D, int(cfg.seed) + 1)
+    timed_chunks(env, starts, warm)
+    chunks = random_chunks(int(cfg.chunks), B, H, D, int(cfg.seed) + 2)
+    sec, steps = timed_chunks(env, starts, chunks)
     im_sps = steps / sec
     report["imagination"] = {"control_steps": steps, "seconds": round(sec, 3), "steps_per_s": im_sps,
                              "chunks_per_s": int(cfg.chunks) * B / sec}

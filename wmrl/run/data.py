@@ -4,6 +4,8 @@ not import each other."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def load_splits(store_path, heldout_every: int, cameras):
     """``(train, heldout, store)``: ``worldmodels.data.EpisodeFrames`` of an EpisodeStore split by
@@ -72,3 +74,18 @@ def fill_action_space(model_cfg: dict, store) -> None:
     dyn = model_cfg.get("dynamics")
     if isinstance(dyn, dict) and dyn.get("action_space") is None:
         dyn["action_space"] = space.to_dict()
+
+
+def merge_stores(sources: list[Path], dest: Path, source: str = "pipeline") -> dict:
+    """Copy every episode of ``sources`` (EpisodeStores with the same cameras/dims) into a new store."""
+    from wmrl.kernel.storage import EpisodeStore
+    from wmrl.refresh import store_like
+
+    out = store_like(EpisodeStore.open(sources[0], "r"), dest, source)
+    n = 0
+    for p in sources:
+        st = EpisodeStore.open(p, "r")
+        for i in range(len(st)):
+            out.append(st.episode(i))
+            n += 1
+    return {"episodes": n, "path": str(dest)}

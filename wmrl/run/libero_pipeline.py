@@ -56,7 +56,7 @@ def collect_demos(cfg: DictConfig, ctx: RunContext, py: Path, task_indices: list
     Raises:
         RuntimeError: a collection process failed (its log's tail in the message).
     """
-    from wmrl.run.pipeline import merge_stores
+    from wmrl.run.data import merge_stores
 
     L = cfg.libero
     n, workers = int(L.demos.placements), max(1, int(L.demos.workers))
@@ -111,13 +111,13 @@ def _eval(cfg: DictConfig, ctx: RunContext, checkpoint: Path, tasks: list) -> di
 
 def _imagination_speed(cfg: DictConfig, wm_ckpt: Path, critic_ckpt: Path, store: Path, tasks: dict) -> dict:
     """Imagined control steps/s of this run's world model + critic (batch ``libero.speed.batch_size``,
-    random chunks from the demos' first frames; ``wmrl bench imagination``'s measurement)."""
+    random chunks from the demos' first frames; ``wmrl bench imagination``'s measurement, ``wmrl.run.measure``)."""
     import torch
 
     from wmrl.imagination import ImaginationEnv
     from wmrl.kernel.checkpoint import load_checkpoint
     from wmrl.rl.starts import KeyframeStarts
-    from wmrl.run.bench_imagination import _random_chunks, _timed
+    from wmrl.run.measure import random_chunks, timed_chunks
 
     wm = load_checkpoint(wm_ckpt, map_location=str(cfg.device)).eval()
     critic = load_checkpoint(critic_ckpt, map_location=str(cfg.device)).eval()
@@ -126,8 +126,8 @@ def _imagination_speed(cfg: DictConfig, wm_ckpt: Path, critic_ckpt: Path, store:
     starts = [s for i in range(B) for s in first(i)][:B]
     env = ImaginationEnv(wm, critic, num_envs=B, max_chunks=10 ** 6, success_threshold=2.0, seed=int(cfg.seed))
     with torch.no_grad():
-        _timed(env, starts, _random_chunks(1, B, H, D, int(cfg.seed) + 1))
-        sec, steps = _timed(env, starts, _random_chunks(int(cfg.libero.speed.chunks), B, H, D, int(cfg.seed) + 2))
+        timed_chunks(env, starts, random_chunks(1, B, H, D, int(cfg.seed) + 1))
+        sec, steps = timed_chunks(env, starts, random_chunks(int(cfg.libero.speed.chunks), B, H, D, int(cfg.seed) + 2))
     return {"control_steps": steps, "seconds": round(sec, 3), "steps_per_s": steps / sec, "batch_size": B,
             "threads": torch.get_num_threads()}
 

@@ -113,3 +113,21 @@ def sim_rates(suite, task: str, cameras, render, steps: int, warmup: int) -> dic
     return {"cameras": list(cameras), "image_size": list(suite.image_size), "render": dataclasses.asdict(env.render_settings),
             "steps": steps, "steps_per_s": steps / t_total, "render_ms_per_step": 1000 * t_render / steps,
             "physics_ms_per_step": 1000 * (t_total - t_render) / steps}
+
+
+def random_chunks(n: int, b: int, h: int, d: int, seed: int) -> torch.Tensor:
+    """``n`` seeded batches of uniform action chunks in [-1, 1]: float32 ``(n, b, h, d)``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, b, h, d, generator=g) * 2 - 1
+
+
+def timed_chunks(env, starts, chunks: torch.Tensor) -> tuple[float, int]:
+    """Reset ``env`` (a ChunkEnv) to ``starts``, step it through ``chunks`` ``(n, B, H, D)``; returns
+    ``(seconds, control steps executed)``."""
+    env.reset(starts)
+    steps = 0
+    t0 = time.perf_counter()
+    for a in chunks:
+        res = env.step(a)
+        steps += int(res.steps_executed.sum())
+    return time.perf_counter() - t0, steps

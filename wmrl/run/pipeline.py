@@ -47,6 +47,7 @@ from wmrl.refresh import store_like
 from wmrl.rl.rollout import record_episodes
 from wmrl.run import machine
 from wmrl.run.common import RunContext, run_main
+from wmrl.run.data import merge_stores
 from wmrl.run.figures import plot_before_after, plot_imagined_vs_real, real_curve
 from wmrl.run.stages import (
     STAGE_CONFIGS,
@@ -67,20 +68,6 @@ log = logging.getLogger("wmrl.pipeline")
 # ------------------------------------------------------------------------------------------
 # Stores (BC rollouts are recorded by wmrl.refresh.record_episodes)
 # ------------------------------------------------------------------------------------------
-
-
-def merge_stores(sources: list[Path], dest: Path, source: str = "pipeline") -> dict:
-    """Copy every episode of ``sources`` (EpisodeStores with the same cameras/dims) into a new store."""
-    from wmrl.kernel.storage import EpisodeStore
-
-    out = store_like(EpisodeStore.open(sources[0], "r"), dest, source)
-    n = 0
-    for p in sources:
-        st = EpisodeStore.open(p, "r")
-        for i in range(len(st)):
-            out.append(st.episode(i))
-            n += 1
-    return {"episodes": n, "path": str(dest)}
 
 
 # ------------------------------------------------------------------------------------------

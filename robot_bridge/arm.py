@@ -49,7 +49,9 @@ class ChunkEnvArm:
     or no ``action_space``) the zero delta; in the absolute ``yaw_down`` space (``suite=ee``) the
     current end-effector pose as the target, ``(x, y, z, yaw)`` read from the Panda proprio
     (``D_s = 9``: position in m, quaternion ``wxyz``), with the last gripper command.
-    ``done()`` is true once the env terminated or truncated the episode.
+    ``done()`` is true once the env terminated or truncated the episode. ``observe(images=False)``
+    reads only the proprio (``frames_on_demand``: with an env that renders on demand, e.g.
+    ``sim.libero.env.LiberoChunkEnv(frames="on_demand")``, nothing is rendered for it).
 
     Raises:
         ValueError: an absolute action space other than ``yaw_down`` (no hold pose is known for it),
@@ -96,11 +98,13 @@ class ChunkEnvArm:
             self._success = self._done = self.stopped = False
         return start
 
-    def observe(self):
+    frames_on_demand = True
+
+    def observe(self, images: bool = True):
         with self._lock:
             o = self._obs
             return (o.proprio[0].detach().cpu().numpy().astype(np.float32),
-                    {c: o.images[c][0].detach().cpu().numpy() for c in self.cameras})
+                    {c: o.images[c][0].detach().cpu().numpy() for c in self.cameras} if images else {})
 
     def apply(self, action: np.ndarray) -> None:
         with self._lock:

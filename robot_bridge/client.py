@@ -77,7 +77,10 @@ class RobotInterface(Protocol):
     task_name: str
 
     def observe(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """``(proprio float32 (D_s,), camera -> uint8 (3, Hi, Wi) upright)``."""
+        """``(proprio float32 (D_s,), camera -> uint8 (3, Hi, Wi) upright)``. A robot that declares
+        ``frames_on_demand = True`` also takes ``observe(images=False)`` (proprio only, ``{}``
+        for the frames), which the client calls on the ticks without a chunk request when
+        ``ClientConfig.frames == "requests"``."""
 
     def apply(self, action: np.ndarray) -> None:
         """Execute one control step with command ``float32 (D_a,)`` (already clipped)."""
@@ -118,6 +121,11 @@ class RobotClient(ServerLink):
         self.transport_factory = transport_factory
         self._unused = transport  # the given transport, until the first connect() takes it
         self.cfg = config or ClientConfig()
+        if self.cfg.frames not in ("every_step", "requests"):
+            raise ValueError(f"control.frames must be 'every_step' or 'requests', got {self.cfg.frames!r}")
+        if self.cfg.frames == "requests" and not getattr(robot, "frames_on_demand", False):
+            raise ValueError(f"control.frames=requests needs a robot that declares frames_on_demand (observe(images="
+                             f"False)); {type(robot).__name__} does not: use control.frames=every_step")
         self.dt = 1.0 / self.cfg.control_hz
         self.safety = SafetyFilter(safety or SafetyLimits(), robot.action_dim)
         self.critic = critic
@@ -225,8 +233,19 @@ class RobotClient(ServerLink):
         """Observe, request a chunk when due, apply the queued (or hold) command through the safety
         filter and record the step. Returns whether the episode ended."""
         r = self.robot
-        proprio, images = r.observe()
-        self._request_if_due(episode, step, proprio, images, run.stats)
+        if self.cfg.frames == "every_step":
+            proprio, images = r.observe()
+            self._request_if_due(episode, step, proprio, images, run.stats)
+            fresh = True
+        else:  # frames only where a request goes out (and at the first step): decide first, then observe
+            due = self._due_request(step)
+            fresh = due is not None or run.last_images is None
+            proprio, images = r.observe(images=fresh)
+            if fresh:
+                run.last_images = images
+            images = run.last_images
+            if due is not None:
+                self._send_request(episode, step, proprio, images, due, run.stats)
         self._check_fallback(step, run)
         with self._lock:
             a, cid = self.queue.pop(step)
@@ -250,7 +269,7 @@ class RobotClient(ServerLink):
         r.apply(cmd)
         run.last_cmd = cmd
         run.log.append(images, proprio, cmd, time.monotonic() - run.t0, starved, bool(flags),
-                       self._chunk_latency.get(cid, float("nan")) if not starved else float("nan"), cid)
+                       self._chunk_latency.get(cid, float("nan")) if not starved else float("nan"), cid, fresh)
         if self.cfg.stop_on_success and r.success():
             run.success = True
             return True
@@ -264,12 +283,22 @@ class RobotClient(ServerLink):
         """Hand a chunk request to the sender thread when the timer says it is due (with the
         committed actions as the RTC prefix and the steps expected to run before its chunk
         arrives as ``delay_steps``; both only when the server does real-time chunking)."""
+        due = self._due_request(step)
+        if due is not None:
+            self._send_request(episode, step, proprio, images, due, stats)
+
+    def _due_request(self, step: int):
+        """``(request, RTC prefix or None, whether RTC is on)`` when the timer says a request is due now, else ``None``."""
         with self._lock:
             req = self.timer.due(step, step + self.queue.size(step) - 1, time.monotonic())
             if req is None:
-                return
+                return None
             rtc = self.cfg.rtc_prefix and self.ready.supports_prefix and self.cfg.merge == "latency_aware"
             prefix = self.queue.committed(step, self.timer.cfg.chunk_size) if rtc else None
+        return req, prefix, rtc
+
+    def _send_request(self, episode: int, step: int, proprio, images, due, stats: dict) -> None:
+        req, prefix, rtc = due
         env = M.make_observation(episode=episode, step=step, proprio=proprio, images=images, task=self.robot.task,
                                  request=True, request_id=req.request_id, prefix_actions=prefix)
         env.observation.delay_steps = req.delay_steps if rtc else 0
@@ -339,3 +368,4 @@ class _Run:
     success: bool = False
     stopped_at: float | None = None
     fallback: Fallback | None = None
+    last_images: dict | None = None

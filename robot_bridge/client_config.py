@@ -40,6 +40,13 @@ class ClientConfig:
         request_timeout_s: a request unanswered this long no longer counts as in flight.
         max_steps: episode length limit (control steps).
         stop_on_success: end the episode when the success predicate holds.
+        frames: ``"every_step"``: the camera frames are read at every control step (the recorded
+            episode has each step's own frames); ``"requests"``: only at the steps that send a
+            chunk request (and the first), for a robot that declares ``frames_on_demand`` (a
+            simulated arm that renders only what is read: ``sim.libero.env.LiberoChunkEnv``
+            with ``frames="on_demand"``); the recorded episode repeats the last frames read at
+            the other steps and marks the fresh ones in ``extras["frame_fresh"]`` (1 / 0), so
+            it is a record for videos at the policy's observation rate, not world-model data.
 
     Raises:
         ValueError: (on use by :class:`RobotClient`) an unknown ``fallback``, ``slow_factor <= 1``
@@ -64,6 +71,7 @@ class ClientConfig:
     request_timeout_s: float = 2.0
     max_steps: int = 400
     stop_on_success: bool = True
+    frames: str = "every_step"
 
     def timing(self, chunk_size: int) -> TimingConfig:
         """The :class:`robot_bridge.timing.TimingConfig` for chunks of ``chunk_size``."""

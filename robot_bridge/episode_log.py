@@ -60,12 +60,13 @@ class StepLog:
         self.clipped: list[float] = []
         self.latency: list[float] = []
         self.chunk_id: list[int] = []
+        self.fresh: list[float] = []
 
     def __len__(self) -> int:
         return len(self.actions)
 
     def append(self, images: dict, proprio: np.ndarray, cmd: np.ndarray, t: float, starved: bool, clipped: bool,
-               latency: float, chunk_id: int) -> None:
+               latency: float, chunk_id: int, fresh: bool = True) -> None:
         for c in self.cameras:
             self.images[c].append(images[c])
         self.proprio.append(proprio)
@@ -75,11 +76,14 @@ class StepLog:
         self.clipped.append(float(clipped))
         self.latency.append(latency)
         self.chunk_id.append(chunk_id)
+        self.fresh.append(float(fresh))
 
     def episode(self, robot, success: bool, info: dict) -> Episode:
         """The ``Episode`` (images ``uint8 (T, 3, Hi, Wi)``, proprio ``float32 (T, D_s)``, actions
         ``float32 (T, D_a)``, reward 1 at the last step of a success; ``extras`` ``t_cmd``,
-        ``starved``, ``clipped``, ``cmd_latency_s``, ``chunk_id``) of ``robot``'s shapes."""
+        ``starved``, ``clipped``, ``cmd_latency_s``, ``chunk_id``, ``frame_fresh``: 1 where the
+        step's frames were read at that step, 0 where they repeat an earlier step's, see
+        ``ClientConfig.frames``) of ``robot``'s shapes."""
         T = len(self.actions)
         D_s, D_a = robot.state_dim, robot.action_dim
         h, w = robot.image_size
@@ -93,7 +97,8 @@ class StepLog:
             extras={"t_cmd": np.asarray(self.t, np.float64), "starved": np.asarray(self.starved, np.float32),
                     "clipped": np.asarray(self.clipped, np.float32),
                     "cmd_latency_s": np.asarray(self.latency, np.float64),
-                    "chunk_id": np.asarray(self.chunk_id, np.int64)},
+                    "chunk_id": np.asarray(self.chunk_id, np.int64),
+                    "frame_fresh": np.asarray(self.fresh, np.float32)},
             info=info)
 
 

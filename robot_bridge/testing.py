@@ -40,6 +40,7 @@ class KinematicArm:
 
     action_dim = 7
     state_dim = 9
+    frames_on_demand = True  # observe(images=False) skips the images (counted in frames_read)
 
     def __init__(self, goal=(0.1, 0.0, 0.1), start=(0.0, 0.0, 0.0), tol: float = 0.02, pos_scale: float = 0.05,
                  image_size=(16, 16), cameras=("agentview", "robot0_eye_in_hand"), task: str = "reach the goal",
@@ -67,11 +68,15 @@ class KinematicArm:
         self.stopped = False
         self.applied: list[np.ndarray] = []
         self.stop_time: float | None = None
+        self.frames_read = 0
 
-    def observe(self):
+    def observe(self, images: bool = True):
         with self.lock:
             clock = self.t if self.clock_in_proprio else 0.0
             p = np.concatenate([self.pos, [1.0, 0.0, 0.0, 0.0], [self.grip, clock]]).astype(np.float32)
+            if not images:
+                return p, {}
+            self.frames_read += 1
             h, w = self.image_size
             v = np.clip((self.pos + 0.5) * 255, 0, 255).astype(np.uint8)
             img = np.broadcast_to(v.reshape(3, 1, 1), (3, h, w)).copy()

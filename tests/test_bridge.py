@@ -455,6 +455,34 @@ def test_end_to_end_inprocess_reaches_goal_and_records():
     assert len(res.latencies_s) >= 1 and res.time_to_first_action_s > 0
 
 
+def test_frames_only_at_requests_reads_fewer_frames_and_marks_the_fresh_ones():
+    _, th, robot_end, _ = _start_server(GoalPolicy(), delay=0.05)
+    arm = KinematicArm()
+    cl = RobotClient(arm, robot_end, ClientConfig(max_steps=200, frames="requests"))
+    cl.connect()
+    res = cl.run_episode(0)
+    cl.close()
+    assert res.success
+    ep, fresh = res.episode, res.episode.extras["frame_fresh"]
+    assert fresh[0] == 1 and int(fresh.sum()) == arm.frames_read == res.stats["requests"] < res.steps
+    img = ep.images["agentview"]
+    for t in np.flatnonzero(fresh == 0):  # a stale step repeats the frame of the step before it
+        assert np.array_equal(img[t], img[t - 1])
+    moved = [t for t in np.flatnonzero(fresh == 1)[1:] if not np.array_equal(img[t], img[t - 1])]
+    assert moved  # the fresh frames are read anew (the arm moves between requests)
+
+
+def test_frames_at_requests_needs_a_robot_that_declares_it():
+    class EagerArm(KinematicArm):
+        frames_on_demand = False
+
+    robot_end, _ = InProcTransport.pair(M.Limits(action_dim=D_A), M.Limits(state_dim=D_S))
+    with pytest.raises(ValueError, match="frames_on_demand"):
+        RobotClient(EagerArm(), robot_end, ClientConfig(frames="requests"))
+    with pytest.raises(ValueError, match="every_step"):
+        RobotClient(KinematicArm(), robot_end, ClientConfig(frames="sometimes"))
+
+
 def test_server_killed_robot_holds_then_watchdog_stops():
     srv, th, robot_end, server_end = _start_server(TrackingPolicy(), delay=0.05)
     arm = KinematicArm()

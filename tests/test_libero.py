@@ -184,6 +184,59 @@ def test_robot_node_plays_a_chunk_env_arm_and_records_libero_action_space(tmp_pa
     assert all(store.episode(i).success for i in range(2))
 
 
+def test_robot_node_reads_frames_only_for_requests_when_asked(tmp_path):
+    """``control.frames=requests``: the worker's episodes succeed as before, the store marks the
+    steps whose frames were read (far fewer than the steps) and repeats them in between."""
+    from hydra import compose, initialize_config_module
+
+    from wmrl.kernel.storage import EpisodeStore
+    from wmrl.run import robot
+    from wmrl.run.common import RunContext
+
+    with initialize_config_module(config_module="configs", version_base="1.3"):
+        cfg = compose(config_name="robot_libero", overrides=[
+            "transport=inproc", "episodes=1", "control.max_steps=60", f"store={tmp_path / 'eps'}",
+            "control.frames=requests", "arm.env._target_=test_libero.FakeLiberoChunkEnv",
+            "+arm.env.succeed_after=40", "arm.starts._target_=test_libero._starts",
+            "+inproc_server.policy.chunk_size=16"])
+    rep = robot.run(cfg, RunContext(cfg, out_dir=tmp_path / "run"))
+    assert rep["all_ran"], rep
+    ep = EpisodeStore.open(tmp_path / "eps").episode(0)
+    fresh = ep.extras["frame_fresh"]
+    assert ep.success and fresh[0] == 1 and 1 < fresh.sum() < len(fresh) / 2
+    img = ep.images["agentview"][:, 0, 0, 0]
+    assert all(img[t] == img[t - 1] for t in np.flatnonzero(fresh == 0))
+    assert all(img[t] != img[t - 1] for t in np.flatnonzero(fresh == 1)[1:])
+
+
+class _FramesEnv:
+    """What ``LazyFrames`` reads of a ``LiberoEnv``: the state key and the frames of that state."""
+
+    def __init__(self):
+        self.frame_key, self.renders = (1, 0), 0
+
+    def frames(self):
+        self.renders += 1
+        return {c: np.full((3, 4, 4), self.frame_key[1], np.uint8) for c in ("agentview", "robot0_eye_in_hand")}
+
+
+def test_lazy_frames_render_once_when_read_and_refuse_a_stale_state():
+    from sim.libero.env import LazyFrames
+
+    env = _FramesEnv()
+    lazy = LazyFrames(env)
+    assert env.renders == 0 and list(lazy) == ["agentview", "robot0_eye_in_hand"] and len(lazy) == 2
+    assert lazy["agentview"].shape == (1, 3, 4, 4) and int(lazy["robot0_eye_in_hand"][0, 0, 0, 0]) == 0
+    assert env.renders == 1  # both cameras in one read, then cached
+    with pytest.raises(KeyError):
+        lazy["wrist"]
+    unread = LazyFrames(env)
+    env.frame_key = (1, 1)  # the env stepped
+    with pytest.raises(RuntimeError, match="stale LIBERO observation"):
+        unread["agentview"]
+    assert int(lazy["agentview"][0, 0, 0, 0]) == 0  # frames read before the step stay valid
+
+
 def test_robot_libero_config_resolves_the_worker():
     from hydra import compose, initialize_config_module
 

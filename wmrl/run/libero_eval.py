@@ -110,7 +110,7 @@ def _start_worker(py: Path, cfg: DictConfig, address: str, slot: int, attempt: i
             f"transport.address={address}", f"suite_name={s.name}", f"pairs={pairs}", f"episodes={len(episodes)}",
             f"image_size=[{int(s.image_size[0])},{int(s.image_size[1])}]", f"arm.env.seed={int(cfg.seed)}",
             f"store={out / 'episodes'}", f"hydra.run.dir={out}", "reconnect.attempts=2",
-            f"control.max_steps={int(s.max_steps_cap)}"] + [str(o) for o in (s.get("worker_overrides") or [])]
+            f"control.max_steps={int(s.max_steps_cap)}", f"control.frames={s.get('frames', 'every_step')}"] + [str(o) for o in (s.get("worker_overrides") or [])]
     f = open(out / "worker.log", "w")  # noqa: SIM115 - the worker's log, closed when it exits
     proc = subprocess.Popen(args, cwd=REPO, env=_worker_env(), stdout=f, stderr=subprocess.STDOUT)
     log.info("LIBERO env worker %d.%d started (pid %d): %d episodes", slot, attempt, proc.pid, len(episodes))

@@ -103,6 +103,10 @@ def _eval(cfg: DictConfig, ctx: RunContext, checkpoint: Path, tasks: list) -> di
     suite = to_container(cfg.suite)
     suite["inits"] = [int(k) for k in L.inits]
     suite["image_size"] = [int(L.image_size[0]), int(L.image_size[1])]
+    suite["frames"] = str(L.get("frames", "every_step"))
+    if L.get("request_threshold") is not None:
+        suite["worker_overrides"] = list(suite.get("worker_overrides") or []) + [
+            f"control.request_threshold={int(L.request_threshold)}"]
     ecfg = OmegaConf.create({"suite": suite, "checkpoint": str(checkpoint), "tasks": tasks, "seed": int(cfg.seed),
                              "workers": int(L.workers), "device": str(cfg.device),
                              "videos_per_task": int(cfg.videos.per_task), "video_camera": "agentview"})

@@ -107,12 +107,17 @@ class GaussianChunkPolicy(torch.nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         self.chunk_size, self.action_dim = chunk_size, action_dim
+        self.feature_dim = obs_dim  # what encode() gives a value baseline
         self.net = torch.nn.Linear(obs_dim, chunk_size * action_dim)
         torch.nn.init.zeros_(self.net.weight); torch.nn.init.zeros_(self.net.bias)
         self.log_std = torch.nn.Parameter(torch.full((action_dim,), math.log(init_std)))
 
     def _mean(self, obs: Obs) -> torch.Tensor:
         return self.net(obs.proprio).view(-1, self.chunk_size, self.action_dim)
+
+    def encode(self, images, proprio: torch.Tensor, tasks) -> torch.Tensor:
+        """The features a value baseline reads (``wmrl.rl.value``): the toy state itself."""
+        return proprio.float()
 
     def sample(self, obs: Obs, generator=None) -> PolicySample:
         mean = self._mean(obs)

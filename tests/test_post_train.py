@@ -59,6 +59,21 @@ def test_post_train_runs_reports_and_resumes(tmp_path):
     assert rep6["history"][:4] == rep["history"]
 
 
+def test_post_train_with_a_chunk_value_runs_and_resumes(tmp_path):
+    cfg = OmegaConf.merge(_cfg(tmp_path), {"iterations": 2, "grpo": {"advantage": "gae", "value_hidden": 32}})
+    out = tmp_path / "run"
+    rep = post_train.run(cfg, RunContext(cfg, out_dir=out))
+    assert all("value_loss" in h and "value_explained_var" in h for h in rep["history"])
+    cfg3 = OmegaConf.merge(cfg, {"iterations": 3})
+    rep3 = post_train.run(cfg3, RunContext(cfg3, out_dir=out))
+    assert rep3["resumed_from"] is not None and rep3["history"][:2] == rep["history"]
+    # a run written without a value head is not silently resumed with one
+    plain = OmegaConf.merge(_cfg(tmp_path), {"iterations": 1})
+    post_train.run(plain, RunContext(plain, out_dir=tmp_path / "plain"))
+    with pytest.raises(ValueError, match="without a value head"):
+        post_train.run(cfg3, RunContext(cfg3, out_dir=tmp_path / "plain"))
+
+
 def test_post_train_clear_error_without_policy(tmp_path):
     cfg = _cfg(tmp_path)
     cfg.checkpoint = "???"

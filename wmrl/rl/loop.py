@@ -43,6 +43,7 @@ from wmrl.rl.rollout import (
     rollout_returns,
 )
 from wmrl.rl.update import GRPOConfig, build_transitions, grpo_update
+from wmrl.rl.value import ValueBaseline, chunk_rewards, last_alive
 
 log = logging.getLogger("wmrl.grpo")
 
@@ -58,7 +59,7 @@ def grpo_iteration(env: ChunkEnv, policy: Policy, optimizer: torch.optim.Optimiz
                    debiaser: OnlineDebiaser | None = None,
                    real_rollout_fn: Callable[[list[Start]], tuple[torch.Tensor, torch.Tensor]] | None = None,
                    debias_starts: int = 0, replay_envs: Sequence[ChunkEnv] = (),
-                   progress: bool = False) -> IterationResult:
+                   progress: bool = False, value: ValueBaseline | None = None) -> IterationResult:
     """One GRPO iteration: collect ``G`` rollouts per start on ``env``, apply the optional
     world-model mitigations, compute group-relative advantages and run :func:`wmrl.rl.update.grpo_update`.
 
@@ -69,6 +70,12 @@ def grpo_iteration(env: ChunkEnv, policy: Policy, optimizer: torch.optim.Optimiz
             given (any number of rollouts per start, same reward definition); the imagined rollouts
             of the same starts update the debiaser before it corrects this iteration's rewards.
         replay_envs: inverse-variance denoising (see :func:`wmrl.rl.debias.inverse_variance_rewards`).
+        value: the chunk value of ``cfg.advantage == "gae"`` (:class:`wmrl.rl.value.ValueBaseline`):
+            per-chunk GAE advantages of the chunk rewards (a mitigation's change of a rollout's
+            reward lands on its last alive chunk), then the value's fit on the returns.
+
+    Raises:
+        ValueError: ``cfg.advantage == "gae"`` without ``value``.
 
     Returns diagnostics: ``reward_*``, ``success_rate`` (as the env reports it), ``adv_*``,
     ``valid_group_frac``, ``n_transitions``, the mitigation statistics and the update statistics.
@@ -76,7 +83,10 @@ def grpo_iteration(env: ChunkEnv, policy: Policy, optimizer: torch.optim.Optimiz
     if isinstance(policy, torch.nn.Module):
         policy.eval()  # type: ignore[attr-defined]  # no dropout: ratio is exactly 1 at unchanged params
     rollouts = collect_groups(env, policy, starts, cfg.group_size, cfg.max_chunks, generator=generator, progress=progress)
+    if cfg.advantage == "gae" and value is None:
+        raise ValueError("GRPOConfig.advantage='gae' needs a value baseline (wmrl.rl.value.ValueBaseline)")
     rewards, success, gids = rollout_returns(rollouts, cfg.reward_mode, cfg.success_bonus)
+    raw_rewards = rewards.clone()
     stats: dict[str, float] = {"success_rate": float(success.float().mean()), **describe(rewards, "reward")}
     tasks = [starts[int(g)].task_name for g in gids]
     weights = None
@@ -98,15 +108,41 @@ def grpo_iteration(env: ChunkEnv, policy: Policy, optimizer: torch.optim.Optimiz
             stats["debias_imagined_success"] = float(success[m].float().mean())
         rewards = debiaser.correct(tasks, rewards)
         stats.update(describe(rewards, "reward_debiased"))
-    adv, valid = group_advantages(rewards, gids, std_floor=cfg.std_floor, scale_by_std=cfg.scale_by_std)
-    stats.update(describe(adv[valid], "adv"))
     n_groups = len(torch.unique(gids))
-    stats["valid_group_frac"] = float(len(torch.unique(gids[valid]))) / max(n_groups, 1)
-    batch = build_transitions(rollouts, adv, valid, weights)
+    if cfg.advantage == "gae":
+        crs = _shifted_chunk_rewards(rollouts, rewards - raw_rewards, cfg)
+        chunk_adv, vst = value.advantages(policy, rollouts, crs)  # type: ignore[union-attr]
+        stats.update(vst)
+        valid = torch.ones_like(gids, dtype=torch.bool)
+        stats["valid_group_frac"] = 1.0
+        batch = build_transitions(rollouts, torch.zeros(gids.shape[0]), valid, weights, chunk_adv=chunk_adv)
+        if batch is not None:
+            stats.update(describe(batch.advantages, "adv"))
+    else:
+        adv, valid = group_advantages(rewards, gids, std_floor=cfg.std_floor, scale_by_std=cfg.scale_by_std)
+        stats.update(describe(adv[valid], "adv"))
+        stats["valid_group_frac"] = float(len(torch.unique(gids[valid]))) / max(n_groups, 1)
+        batch = build_transitions(rollouts, adv, valid, weights)
     stats["n_transitions"] = float(0 if batch is None else len(batch))
     if batch is not None:
         stats.update(grpo_update(policy, optimizer, batch, cfg, ref_policy=ref_policy, generator=generator))
     return IterationResult(stats=stats, rollouts=rollouts)
+
+
+def _shifted_chunk_rewards(rollouts: Sequence[Rollout], shift: torch.Tensor, cfg: GRPOConfig) -> list[torch.Tensor]:
+    """Per rollout ``(B, N)`` chunk rewards (:func:`wmrl.rl.value.chunk_rewards`) with ``shift``
+    ``(M,)`` (what debiasing / denoising changed of each real slot's reward) on its last alive chunk."""
+    out, k = [], 0
+    for ro in rollouts:
+        cr = chunk_rewards(ro, cfg.reward_mode, cfg.success_bonus)
+        real = (ro.group_ids >= 0).nonzero().flatten()
+        last = last_alive(ro.alive)
+        for j, i in enumerate(real.tolist()):
+            if last[i] >= 0:
+                cr[i, last[i]] += float(shift[k + j])
+        k += real.numel()
+        out.append(cr)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,7 +161,8 @@ class GRPOSetup:
     (``wmrl.kernel.interfaces.RandomStreams``; e.g. the imagination env's sampling generator), saved
     with every checkpoint and restored with the loop's own and the process-wide ones
     (``wmrl.kernel.rng``), so a resumed run is bitwise the uninterrupted one. ``writer``: an optional
-    TensorBoard ``SummaryWriter``."""
+    TensorBoard ``SummaryWriter``. ``value``: the chunk value of ``cfg.advantage == "gae"``
+    (:class:`wmrl.rl.value.ValueBaseline`), saved and restored with the checkpoints."""
 
     policy: Policy
     policy_config: dict
@@ -136,6 +173,7 @@ class GRPOSetup:
     ref_policy: Policy | None = None
     rng_streams: Mapping[str, Any] | None = None
     writer: Any = None
+    value: ValueBaseline | None = None
 
 
 @dataclass
@@ -257,6 +295,11 @@ class _Run:
         self.start_it = int(meta["iteration"])
         if self.debiaser is not None and "debiaser" in meta:
             self.debiaser.load_state_dict(meta["debiaser"])
+        if self.s.value is not None:
+            if "value" not in meta:
+                raise ValueError(f"{last} was written without a value head (advantage=group); resume it with "
+                                 "grpo.advantage=group or start a new run directory")
+            self.s.value.load_state_tensors(extra, meta["value"])
         self.resumed_from = str(last)
 
     def evaluate(self, n: int) -> None:
@@ -277,6 +320,10 @@ class _Run:
         meta = {"iteration": n, "history": self.history, "evals": self.evals, "optimizer": ometa, "rng": rng_meta}
         if self.debiaser is not None:
             meta["debiaser"] = self.debiaser.state_dict()
+        if self.s.value is not None:
+            vt, vm = self.s.value.state_tensors()
+            tensors.update(vt)
+            meta["value"] = vm
         save_checkpoint(self.s.policy, self.last, self.s.policy_config, extra_tensors=tensors, meta=meta)  # type: ignore[arg-type]
         if _due(self.hooks.checkpoint.every, n):
             save_checkpoint(self.s.policy, self.ck_dir / f"step_{n}", self.s.policy_config)  # type: ignore[arg-type]
@@ -291,7 +338,8 @@ class _Run:
         res = grpo_iteration(s.env, s.policy, s.optimizer, s.starts_fn(it), s.cfg, ref_policy=s.ref_policy,
                              generator=self.gen, debiaser=self.debiaser,
                              real_rollout_fn=deb.real_rollout_fn if do_debias else None,  # type: ignore[union-attr]
-                             debias_starts=deb.starts if deb is not None else 0, replay_envs=replay_envs)
+                             debias_starts=deb.starts if deb is not None else 0, replay_envs=replay_envs,
+                             value=s.value)
         st = {"iteration": it + 1, "wall_s": time.time() - t0, **res.stats}
         self.history.append(st)
         if s.writer is not None:

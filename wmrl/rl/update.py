@@ -44,17 +44,20 @@ class TransitionBatch:
 
 
 def build_transitions(rollouts: Sequence[Rollout], slot_adv: torch.Tensor, slot_valid: torch.Tensor,
-                      slot_weight: torch.Tensor | None = None) -> TransitionBatch | None:
+                      slot_weight: torch.Tensor | None = None,
+                      chunk_adv: Sequence[torch.Tensor] | None = None) -> TransitionBatch | None:
     """Flatten rollouts into the transitions that enter the loss.
 
     Args:
         slot_adv, slot_valid, slot_weight: ``(M,)`` per real slot, in the order of
             :func:`wmrl.rl.rollout.rollout_returns`. Only alive chunks of valid slots are kept.
+        chunk_adv: per rollout ``float32 (B, N)`` advantages of each chunk (GAE,
+            :mod:`wmrl.rl.value`), used instead of ``slot_adv``.
 
     Returns: a ``TransitionBatch`` or ``None`` when nothing carries signal."""
     obs_parts, sample_parts, adv_parts, w_parts = [], [], [], []
     k = 0
-    for ro in rollouts:
+    for j, ro in enumerate(rollouts):
         real = (ro.group_ids >= 0).nonzero().flatten()
         m = real.numel()
         a = torch.zeros(ro.group_ids.shape[0]); v = torch.zeros(ro.group_ids.shape[0], dtype=torch.bool)
@@ -68,7 +71,7 @@ def build_transitions(rollouts: Sequence[Rollout], slot_adv: torch.Tensor, slot_
             if sel.numel() == 0:
                 continue
             obs_parts.append(o.index(sel)); sample_parts.append(s.index(sel))
-            adv_parts.append(a[sel]); w_parts.append(w[sel])
+            adv_parts.append(chunk_adv[j][sel, n] if chunk_adv is not None else a[sel]); w_parts.append(w[sel])
     if not obs_parts:
         return None
     return TransitionBatch(Obs.cat(obs_parts), cat_samples(sample_parts), torch.cat(adv_parts), torch.cat(w_parts))
@@ -97,6 +100,12 @@ class GRPOConfig:
             ``flow_matching_loss``; ``kl_coef`` must be 0).
         fpo_samples: ``(t, eps)`` draws per chunk for the FPO loss estimate (drawn once per update,
             shared by the old and new parameters). ``t`` is uniform on ``[0.001, 1)``.
+        advantage: ``"group"``: group-relative advantages of the rollouts' rewards, the same for
+            every chunk of a rollout (GRPO); ``"gae"``: per-chunk GAE with a learnt chunk value
+            (:mod:`wmrl.rl.value`; the loop needs a ``ValueBaseline``), groups no longer needed.
+        gamma, gae_lambda: GAE's discount per chunk and lambda (``advantage="gae"``).
+        value_hidden, value_lr, value_epochs, value_minibatch_size, normalize_advantages: the
+            value head and its fit (``wmrl.rl.value.ValueBaseline``).
     """
 
     group_size: int = 8
@@ -112,8 +121,18 @@ class GRPOConfig:
     success_bonus: float = 1.0
     ratio: str = "per_step"
     fpo_samples: int = 4
+    advantage: str = "group"
+    gamma: float = 1.0
+    gae_lambda: float = 0.95
+    value_hidden: int = 256
+    value_lr: float = 1e-3
+    value_epochs: int = 20
+    value_minibatch_size: int = 64
+    normalize_advantages: bool = True
 
     def __post_init__(self):
+        if self.advantage not in ("group", "gae"):
+            raise ValueError(f"GRPOConfig.advantage must be 'group' or 'gae', got {self.advantage!r}")
         if self.ratio not in ("per_step", "chain", "fpo"):
             raise ValueError(f"GRPOConfig.ratio must be 'per_step', 'chain' or 'fpo', got {self.ratio!r}")
         if self.ratio == "fpo" and self.kl_coef > 0:

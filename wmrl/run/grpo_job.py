@@ -190,6 +190,26 @@ def _report(cfg: DictConfig, policy_path, tasks: dict, out: dict, hooks: loop.GR
     return report
 
 
+def value_baseline(policy, gcfg: GRPOConfig, seed: int):
+    """The chunk value of ``grpo.advantage=gae`` (:class:`wmrl.rl.value.ValueBaseline`) on the
+    policy's conditioning features: their size is the policy's declared ``feature_dim``, else
+    ``cond_dim`` of its (or its frozen base's) ``init_config``.
+
+    Raises:
+        ValueError: a policy without a ``cond_dim`` (no features for the value to read).
+    """
+    from wmrl.rl.value import ValueBaseline
+
+    ic = dict(getattr(policy, "init_config", {}) or {})
+    dim = getattr(policy, "feature_dim", None) or ic.get("cond_dim", (ic.get("base") or {}).get("cond_dim"))
+    if dim is None:
+        raise ValueError(f"grpo.advantage=gae reads the policy's conditioning features, but {type(policy).__name__} "
+                         "declares neither feature_dim nor a cond_dim in its init_config; use grpo.advantage=group")
+    return ValueBaseline(int(dim), gcfg.max_chunks, hidden=gcfg.value_hidden, gamma=gcfg.gamma, lam=gcfg.gae_lambda,
+                         lr=gcfg.value_lr, epochs=gcfg.value_epochs, minibatch_size=gcfg.value_minibatch_size,
+                         normalize=gcfg.normalize_advantages, seed=seed)
+
+
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     """GRPO post-training (see module docstring). Returns the report dict: before/after real-sim
     success with CIs, the evaluation curve, the per-iteration history, mitigation settings."""
@@ -222,8 +242,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(str(ctx.out_dir / "tb"))
+    value = value_baseline(policy, gcfg, int(cfg.seed)) if gcfg.advantage == "gae" else None
     setup = loop.GRPOSetup(policy, policy_cfg, env, optimizer, starts_fn, gcfg, ref_policy=ref_policy,
-                           rng_streams=streams, writer=writer)
+                           rng_streams=streams, writer=writer, value=value)
     loop_cfg = loop.LoopConfig(int(cfg.iterations), ctx.out_dir, seed=int(cfg.seed), resume=bool(cfg.resume),
                                progress=bool(cfg.get("progress", True)))
     out = loop.train_grpo(setup, loop_cfg, hooks)

@@ -152,3 +152,37 @@ def test_post_train_steering_mistakes_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="use ratio=per_step or chain"):  # checked before any rollout
         grpo.check_policy(p, grpo.GRPOConfig(ratio="fpo"))
     grpo.check_policy(p, grpo.GRPOConfig(ratio="chain"))
+
+
+def test_the_bounded_residual_starts_at_zero_stays_within_its_bound_and_has_an_exact_density(tmp_path):
+    base = base_policy()
+    o = obs(b=4)
+    want = LatentNoisePolicy(base, hidden=16, sampler=LatentNoiseSampler(0.0, 4)).sample(o).actions
+    p = LatentNoisePolicy(base, hidden=16, sampler=LatentNoiseSampler(0.0, 4), residual_bound=0.1)
+    assert p.residual_dims == 6  # all but the gripper
+    s = p.sample(o)
+    assert torch.allclose(s.actions, want, atol=1e-6)  # zero-initialised residual head: the steered chunk
+    with torch.no_grad():  # a head driven far out: tanh keeps the residual inside the bound
+        p.residual_head[-1].bias.fill_(50.0)
+    lifted = p.sample(o).actions
+    # (clipped to the action space after the residual, so measure where the base chunk is inside it)
+    inside = want[..., :6].abs() < 0.9
+    assert torch.allclose((lifted - want)[..., :6][inside], torch.full_like(want[..., :6][inside], 0.1), atol=1e-5)
+    assert torch.equal(lifted[..., 6], want[..., 6])  # the gripper has no residual
+    p.sampler = LatentNoiseSampler(0.5, 4, residual_std=0.3)
+    plain = LatentNoisePolicy(base, hidden=16, sampler=LatentNoiseSampler(0.5, 4))  # the same w from the same seed
+    with torch.no_grad():
+        p.residual_head[-1].bias.fill_(0.5)
+    for seed in range(5):
+        s = p.sample(o, torch.Generator().manual_seed(seed))
+        ref = plain.sample(o, torch.Generator().manual_seed(seed)).actions
+        assert ((s.actions - ref)[..., :6].abs() <= 0.1 + 1e-6).all() and (s.actions - ref).abs().max() > 0.01
+        lp = p.log_prob(o, s)
+        assert torch.allclose(lp, s.log_prob, atol=1e-5)
+    trainable = {n.split(".")[0] for n, q in p.named_parameters() if q.requires_grad}
+    assert trainable == {"noise_head", "residual_head"}
+    save_checkpoint(p, tmp_path / "ck", p.checkpoint_config())
+    q = load_checkpoint(tmp_path / "ck")
+    assert q.residual_bound == 0.1 and torch.equal(q.residual_head[-1].bias, p.residual_head[-1].bias)
+    with pytest.raises(ValueError, match="residual_bound"):
+        LatentNoisePolicy(base, residual_bound=-1.0)

@@ -105,15 +105,20 @@ def steered_policy(policy, policy_cfg: dict, steer: DictConfig | None, device: s
         raise ValueError(f"steer.std must be > 0 for RL (the exploration std of the latent noise), got {steer.std}; "
                          "std 0 is the deterministic evaluation sampler")
     if isinstance(policy, LatentNoisePolicy):
-        have = {"hidden": policy.init_config["hidden"], "bound": policy.bound}
-        want = {"hidden": int(steer.hidden), "bound": float(steer.bound)}
+        have = {"hidden": policy.init_config["hidden"], "bound": policy.bound, "residual_bound": policy.residual_bound}
+        want = {"hidden": int(steer.hidden), "bound": float(steer.bound),
+                "residual_bound": float(steer.get("residual_bound", 0.0))}
         if have != want:
             raise ValueError(f"the checkpoint's noise head has {have}, steer asks for {want}: drop those overrides "
                              "to continue it, or start from the BC checkpoint for a new head")
     else:
         policy = LatentNoisePolicy(policy, hidden=int(steer.hidden), bound=float(steer.bound),
-                                   sampler=LatentNoiseSampler(0.0, int(steer.num_steps))).to(device)
-    return policy, policy.checkpoint_config(), LatentNoiseSampler(float(steer.std), int(steer.num_steps))
+                                   sampler=LatentNoiseSampler(0.0, int(steer.num_steps)),
+                                   residual_bound=float(steer.get("residual_bound", 0.0)),
+                                   residual_dims=steer.get("residual_dims")).to(device)
+    rstd = steer.get("residual_std")
+    return policy, policy.checkpoint_config(), LatentNoiseSampler(float(steer.std), int(steer.num_steps),
+                                                                  None if rstd is None else float(rstd))
 
 
 def rl_policy(policy, policy_cfg: dict, cfg: DictConfig, device: str = "cpu"):

@@ -19,6 +19,7 @@ from wmrl.rl.loop import (
     CheckpointHook,
     DebiasHook,
     DenoiseHook,
+    DistillHook,
     EvalHook,
     GRPOHooks,
     GRPOSetup,
@@ -53,6 +54,8 @@ from wmrl.rl.starts import (
     all_starts,
     starts_from_store,
 )
+from wmrl.rl.distill import Distiller, gated_success_chunks
+from wmrl.rl.value import ValueBaseline, chunk_rewards, gae
 from wmrl.rl.update import (
     GRPOConfig,
     TransitionBatch,
@@ -63,11 +66,11 @@ from wmrl.rl.update import (
 )
 
 __all__ = [
-    "CheckpointHook", "ContextStarts", "DebiasHook", "DenoiseHook", "EvalHook", "GRPOConfig", "GRPOHooks", "GRPOSetup",
+    "CheckpointHook", "ContextStarts", "DebiasHook", "DenoiseHook", "DistillHook", "Distiller", "EvalHook", "GRPOConfig", "GRPOHooks", "GRPOSetup",
     "InitStateStarts", "IterationResult", "KeyframeStarts", "LoopConfig", "MixedStarts", "OnlineDebiaser",
     "RefreshHook", "TransitionBatch", "all_starts", "build_transitions", "cat_samples", "check_policy",
-    "clipped_surrogate_loss", "collect_groups", "describe", "evaluate_success", "expand_starts", "group_advantages",
+    "clipped_surrogate_loss", "collect_groups", "describe", "evaluate_success", "expand_starts", "gated_success_chunks", "group_advantages",
     "grpo_iteration", "grpo_update", "inverse_variance_rewards", "kl_to_reference", "make_reference", "masked_mean",
     "pad_slots", "real_rollout_fn_for", "record_episodes", "replay_open_loop", "rollout_batch", "rollout_returns",
-    "starts_from_store", "success_summary", "train_grpo", "wilson_interval",
+    "starts_from_store", "success_summary", "train_grpo", "wilson_interval", "ValueBaseline", "chunk_rewards", "gae",
 ]

@@ -232,6 +232,16 @@ class RefreshHook:
 
 
 @dataclass
+class DistillHook:
+    """Filtered BC of gated successes into the flow (:class:`wmrl.rl.distill.Distiller`):
+    ``fn(policy, rollouts, generator) -> stats`` runs on the rollouts of every ``every``-th
+    iteration, after its update, with the loop's generator (so a resumed run repeats it)."""
+
+    fn: Callable[..., dict]
+    every: int = 0
+
+
+@dataclass
 class CheckpointHook:
     """``checkpoints/last`` (weights, optimizer, RNG states, history) is written after every
     iteration; a copy of the weights goes to ``checkpoints/step_<n>`` every ``every`` iterations
@@ -248,6 +258,7 @@ class GRPOHooks:
     debias: DebiasHook | None = None
     denoise: DenoiseHook | None = None
     refresh: RefreshHook | None = None
+    distill: DistillHook | None = None
     checkpoint: CheckpointHook = field(default_factory=CheckpointHook)
 
 
@@ -340,7 +351,10 @@ class _Run:
                              real_rollout_fn=deb.real_rollout_fn if do_debias else None,  # type: ignore[union-attr]
                              debias_starts=deb.starts if deb is not None else 0, replay_envs=replay_envs,
                              value=s.value)
-        st = {"iteration": it + 1, "wall_s": time.time() - t0, **res.stats}
+        st = {"iteration": it + 1, **res.stats}
+        if h.distill is not None and _due(h.distill.every, it + 1):
+            st.update(h.distill.fn(s.policy, res.rollouts, self.gen))
+        st["wall_s"] = time.time() - t0
         self.history.append(st)
         if s.writer is not None:
             for k, v in st.items():

@@ -233,6 +233,16 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     hooks.denoise = loop.DenoiseHook(replay_envs) if replay_envs else None
     refresher = _maybe_refresher(cfg, ctx, env, suite, tasks, n_init, replay_envs)
     hooks.refresh = loop.RefreshHook(refresher, int(cfg.refresh.every)) if refresher is not None else None
+    dcfg = cfg.get("distill") or {}
+    if int(dcfg.get("every", 0)) > 0:
+        from wmrl.rl.distill import Distiller
+
+        if str(cfg.env.get("name", "")) == "imagination":
+            raise ValueError("distill.every > 0 in imagination would teach the flow imagined successes that may not "
+                             "replay; it needs the world model's uncertainty gate (issue #20), which is not built yet: "
+                             "distill with env=sim, or set distill.every=0")
+        hooks.distill = loop.DistillHook(Distiller(steps=int(dcfg.steps), batch_size=int(dcfg.batch_size),
+                                                   lr=float(dcfg.lr)), int(dcfg.every))
     for name, e in [("env", env)] + [(f"replay{i}", e) for i, e in enumerate(replay_envs)]:
         if isinstance(e, RandomStreams):
             streams.update({f"{name}.{k}": g for k, g in e.rng_streams().items()})

@@ -135,3 +135,35 @@ def test_train_grpo_with_a_value_resumes_exactly(tmp_path):
                     list(pol_b.parameters()) + list(vb_b.module.parameters())):
         assert torch.equal(a, b)
     assert [h["value_loss"] for h in out_a["history"]] == [h["value_loss"] for h in out_b["history"]]
+
+
+def test_branch_starts_stop_early_are_marked_cut_and_the_value_bootstraps_them():
+    import dataclasses
+
+    from wmrl.rl.value import branch_bootstrap, rollout_features
+
+    torch.manual_seed(0)
+    pol = GaussianChunkPolicy(init_std=0.01)  # barely moves: no episode ends within the chunks
+    env = ToyReachEnv(num_envs=4, max_steps=40)
+    starts = toy_starts(1)
+    starts = [dataclasses.replace(starts[0], max_chunks=2), starts[1]]
+    (ro,) = grpo.collect_groups(env, pol, starts, group_size=2, max_chunks=5, generator=torch.Generator().manual_seed(0))
+    assert ro.alive.sum(1).tolist() == [2, 2, 5, 5]  # the branch's two slots stop after 2 chunks
+    assert ro.cut.tolist() == [True, True, False, False] and ro.final_obs is not None
+    vb = ValueBaseline(feature_dim=6, max_chunks=5, hidden=16, normalize=False, seed=0)
+    with torch.no_grad():
+        vb.module.net[-1].bias.fill_(0.7)
+    boot = branch_bootstrap(pol, vb.module, ro)
+    assert (boot[:2] != 0).all() and (boot[2:] == 0).all()
+    v0 = vb.values(rollout_features(pol, ro))  # what advantages() reads, before its fit
+    want, _ = gae(torch.zeros(4, 5), v0, ro.alive, vb.gamma, vb.lam, bootstrap=boot)
+    (adv,), _ = vb.advantages(pol, [ro], [torch.zeros(4, 5)])
+    assert torch.allclose(adv, want) and (adv[:2, 2:] == 0).all()
+    assert torch.allclose(adv[:2, 1], boot[:2] - v0[:2, 1])  # the branch's last chunk: 0 + V(after) - V(it)
+    with pytest.raises(ValueError, match="gae"):
+        from omegaconf import OmegaConf
+
+        from wmrl.run.grpo_job import _starts
+
+        _starts(OmegaConf.create({"starts": {"branch_chunks": 2, "per_task": 0, "store": "x", "keyframes_per_task": 1},
+                                  "grpo": {"advantage": "group"}, "seed": 0, "env": {}}), None, None, {}, 0)

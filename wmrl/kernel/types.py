@@ -184,6 +184,9 @@ class Start:
         context: observation history ``Obs`` with batch dim = T context frames (oldest first), or
             ``None``; the world model starts from it.
         episode: source episode index in an EpisodeStore, if any; ``step``: its step.
+        max_chunks: a *branch*: the rollout from this start stops after this many chunks even if
+            its episode goes on, and a chunk value bootstraps the rest (``GRPOConfig.advantage =
+            "gae"``; VLA-MBPO's short branches); ``None``: GRPO's own ``max_chunks``.
     """
 
     task_name: str
@@ -194,6 +197,7 @@ class Start:
     context: Obs | None = None
     episode: int | None = None
     step: int | None = None
+    max_chunks: int | None = None
 
 
 @dataclass
@@ -254,6 +258,9 @@ class Rollout:
         alive: ``bool (B, N)`` whether the slot was still in its episode at chunk ``n``.
         success: ``bool (B,)`` episode success.
         group_ids: ``int64 (B,)`` GRPO group of each slot.
+        final_obs: ``Obs`` (batch ``B``) after the last executed chunk, or ``None``.
+        cut: ``bool (B,)`` slots of branch starts (``Start.max_chunks``) whose episode was still
+            going when the branch stopped (a value bootstraps their rest), or ``None``.
     """
 
     obs: list[Obs]
@@ -262,6 +269,8 @@ class Rollout:
     alive: torch.Tensor
     success: torch.Tensor
     group_ids: torch.Tensor
+    final_obs: Obs | None = None
+    cut: torch.Tensor | None = None
 
 
 @dataclass

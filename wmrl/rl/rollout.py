@@ -81,7 +81,8 @@ def batched_starts(starts: Sequence[Start], b: int) -> list[list[Start]]:
 def rollout_batch(env: ChunkEnv, policy: Policy | None, starts: Sequence[Start], group_ids: torch.Tensor,
                   max_chunks: int, generator: torch.Generator | None = None,
                   actions_fn: Callable[[int, Obs], PolicySample] | None = None,
-                  chunk_limits: torch.Tensor | None = None, recorder: StepRecorder | None = None) -> Rollout:
+                  chunk_limits: torch.Tensor | None = None, recorder: StepRecorder | None = None,
+                  branch: torch.Tensor | None = None) -> Rollout:
     """One batch of chunk-level rollouts, ``len(starts) == env.num_envs``.
 
     A slot is alive from the reset until (and including) the chunk in which it terminates or is
@@ -96,15 +97,19 @@ def rollout_batch(env: ChunkEnv, policy: Policy | None, starts: Sequence[Start],
         chunk_limits: optional ``int64 (B,)``: slot ``b`` stops after ``chunk_limits[b]`` chunks even
             if its episode goes on (replaying recorded rollouts of different lengths).
         recorder: optional :class:`StepRecorder` called around every ``env.step``.
+        branch: optional ``bool (B,)``: slots of branch starts; ``Rollout.cut`` marks those whose
+            episode was still going when they stopped.
 
     Returns:
-        ``Rollout`` with ``rewards (B, N)``, ``alive (B, N)``, ``success (B,)``, ``group_ids (B,)``.
+        ``Rollout`` with ``rewards (B, N)``, ``alive (B, N)``, ``success (B,)``, ``group_ids (B,)``,
+        ``final_obs`` and ``cut``.
     """
     if len(starts) != env.num_envs:
         raise ValueError(f"rollout_batch needs len(starts) == env.num_envs ({len(starts)} != {env.num_envs})")
     b = len(starts)
     obs = env.reset(list(starts))
     alive = group_ids >= 0
+    running = alive.clone()  # in its episode (not ended by the env), whatever the chunk caps
     success = torch.zeros(b, dtype=torch.bool)
     obs_list, samples, rewards, alive_list = [], [], [], []
     for n in range(max_chunks):
@@ -127,18 +132,24 @@ def rollout_batch(env: ChunkEnv, policy: Policy | None, starts: Sequence[Start],
         alive_list.append(alive.clone())
         rewards.append(torch.where(alive, r, torch.zeros_like(r)))
         success |= alive & torch.as_tensor(res.success, dtype=torch.bool).reshape(b)
-        alive = alive & ~torch.as_tensor(res.done, dtype=torch.bool).reshape(b)
+        done = torch.as_tensor(res.done, dtype=torch.bool).reshape(b)
+        running = running & ~(alive & done)
+        alive = alive & ~done
         obs = res.obs
     if not rewards:
         raise ValueError("no chunk was executed: max_chunks must be >= 1 and at least one slot must be real")
-    return Rollout(obs=obs_list, samples=samples, rewards=torch.stack(rewards, 1), alive=torch.stack(alive_list, 1),
-                   success=success, group_ids=group_ids.clone())
+    alive_t = torch.stack(alive_list, 1)
+    ran = alive_t.any(1)
+    cut = running & ran & ~success & (branch.bool() if branch is not None else torch.zeros(b, dtype=torch.bool))
+    return Rollout(obs=obs_list, samples=samples, rewards=torch.stack(rewards, 1), alive=alive_t,
+                   success=success, group_ids=group_ids.clone(), final_obs=obs, cut=cut)
 
 
 def collect_groups(env: ChunkEnv, policy: Policy, starts: Sequence[Start], group_size: int, max_chunks: int,
                    generator: torch.Generator | None = None, progress: bool = False) -> list[Rollout]:
     """``G`` rollouts from every start, in batches of ``env.num_envs`` (the last batch is padded
-    with inactive slots of group id ``-1``). Group ``i`` is ``starts[i]``.
+    with inactive slots of group id ``-1``). Group ``i`` is ``starts[i]``. A branch start
+    (``Start.max_chunks``) stops after its own chunk count.
 
     Returns: list of ``Rollout`` batches (their ``group_ids`` are global)."""
     all_starts, ids = expand_starts(starts, group_size)
@@ -147,7 +158,12 @@ def collect_groups(env: ChunkEnv, policy: Policy, starts: Sequence[Start], group
     for i in _batches(len(all_starts), b, progress, "rollouts"):
         st, gi = all_starts[i:i + b], ids[i:i + b]
         gi = torch.cat([gi, torch.full((b - len(st),), -1, dtype=torch.long)]) if len(st) < b else gi
-        out.append(rollout_batch(env, policy, pad_slots(st, b), gi, max_chunks, generator=generator))
+        padded = pad_slots(st, b)
+        branch = torch.tensor([s.max_chunks is not None for s in padded])
+        limits = torch.tensor([min(int(s.max_chunks), max_chunks) if s.max_chunks is not None else max_chunks
+                               for s in padded]) if branch.any() else None
+        out.append(rollout_batch(env, policy, padded, gi, max_chunks, generator=generator, chunk_limits=limits,
+                                 branch=branch))
     return out
 
 

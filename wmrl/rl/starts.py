@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Sequence
 
 import numpy as np
@@ -130,10 +132,12 @@ class KeyframeStarts:
     """Keyframe starts (:func:`starts_from_store`): ``per_task`` (episode, step) pairs of
     each task's stored episodes per iteration, drawn reproducibly from ``iteration`` and ``seed``,
     with the real frame of that step as context. Imagined rollouts then begin mid-task and stay
-    short (WoVR / World-Gymnast keyframe-initialised rollouts)."""
+    short (WoVR / World-Gymnast keyframe-initialised rollouts). ``branch_chunks``: each start is a
+    branch of that many chunks (``Start.max_chunks``; the chunk value bootstraps the rest,
+    ``GRPOConfig.advantage="gae"``); ``None``: rollouts of GRPO's own length."""
 
     def __init__(self, store_path, tasks: dict, per_task: int, seed: int = 0, min_steps_left: int = 8,
-                 first_steps: int | None = None):
+                 first_steps: int | None = None, branch_chunks: int | None = None):
         from wmrl.kernel.storage import EpisodeStore
 
         self.store = EpisodeStore.open(store_path, mode="r")
@@ -144,12 +148,18 @@ class KeyframeStarts:
             raise ValueError(f"keyframe store {store_path} has no episodes of tasks {missing}")
         self.per_task, self.seed, self.min_steps_left = int(per_task), int(seed), int(min_steps_left)
         self.first_steps = None if first_steps is None else int(first_steps)
+        if branch_chunks is not None and int(branch_chunks) < 1:
+            raise ValueError(f"branch_chunks must be >= 1 (or null), got {branch_chunks}")
+        self.branch_chunks = None if branch_chunks is None else int(branch_chunks)
 
     def __call__(self, iteration: int) -> list[Start]:
         rng = np.random.default_rng([self.seed, 11, int(iteration)])
-        return [s for t, eps in self.by_task.items()
-                for s in starts_from_store(self.store, self.per_task, rng, episodes=eps,
-                                           min_steps_left=self.min_steps_left, first_steps=self.first_steps)]
+        out = [s for t, eps in self.by_task.items()
+               for s in starts_from_store(self.store, self.per_task, rng, episodes=eps,
+                                          min_steps_left=self.min_steps_left, first_steps=self.first_steps)]
+        if self.branch_chunks is not None:
+            out = [dataclasses.replace(s, max_chunks=self.branch_chunks) for s in out]
+        return out
 
 
 class MixedStarts:

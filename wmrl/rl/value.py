@@ -9,7 +9,9 @@ Estimation"; the form of CleanRL's ``ppo_continuous_action.py`` and RLinf's
 observation: a small MLP on the frozen policy's conditioning features (``PolicySample.extras
 ["cond"]``, ``float32 (B, C)``, which :class:`policies.steering.LatentNoisePolicy` records, or
 ``policy.encode`` of a ``SteerableFlowPolicy``) and the chunk's index, fitted on the rollouts'
-returns after their advantages are computed (PPO's order). A value that equals the return gives
+returns after their advantages are computed (PPO's order). Branches (``Start.max_chunks``: 2-3
+chunks from a real keyframe, VLA-MBPO) that stop while their episode goes on are bootstrapped by
+the value of the observation after their last chunk. A value that equals the return gives
 zero advantage; with ``gae_lambda = 1`` and a zero value the advantage of chunk ``n`` is the return
 from ``n`` on.
 
@@ -25,7 +27,7 @@ from torch import nn
 
 from wmrl.kernel.types import Rollout
 
-__all__ = ["ChunkValue", "ValueBaseline", "chunk_rewards", "gae", "last_alive"]
+__all__ = ["ChunkValue", "ValueBaseline", "branch_bootstrap", "chunk_rewards", "gae", "last_alive"]
 
 
 def last_alive(alive: torch.Tensor) -> torch.Tensor:
@@ -131,6 +133,16 @@ class ChunkValue(nn.Module):
         return self.net(torch.cat([features.float(), t], 1)).squeeze(1)
 
 
+def _encode(policy, obs) -> torch.Tensor:
+    enc = getattr(policy, "encode", None) or getattr(getattr(policy, "base", None), "encode", None)
+    if enc is None:
+        raise ValueError(f"the value baseline needs policy features: samples with extras['cond'] "
+                         f"(policies.steering.LatentNoisePolicy) or a policy (or frozen base) with encode(); "
+                         f"{type(policy).__name__} has neither (use advantage=group)")
+    with torch.no_grad():
+        return enc(obs.images, obs.proprio, obs.task).detach().float().cpu()
+
+
 def rollout_features(policy, ro: Rollout) -> torch.Tensor:
     """``float32 (B, N, C)`` frozen policy features of each chunk's observation (no grad).
 
@@ -140,16 +152,22 @@ def rollout_features(policy, ro: Rollout) -> torch.Tensor:
     out = []
     for obs, s in zip(ro.obs, ro.samples):
         cond = s.extras.get("cond") if s.extras else None
-        if cond is None:
-            enc = getattr(policy, "encode", None)
-            if enc is None:
-                raise ValueError(f"the value baseline needs policy features: samples with extras['cond'] "
-                                 f"(policies.steering.LatentNoisePolicy) or a policy with encode(); "
-                                 f"{type(policy).__name__} has neither (use advantage=group)")
-            with torch.no_grad():
-                cond = enc(obs.images, obs.proprio, obs.task)
-        out.append(cond.detach().float().cpu())
+        out.append(cond.detach().float().cpu() if cond is not None else _encode(policy, obs))
     return torch.stack(out, 1)
+
+
+def branch_bootstrap(policy, value: ChunkValue, ro: Rollout) -> torch.Tensor:
+    """``float32 (B,)``: ``V`` of the observation after the last chunk for the slots a branch cut
+    (``Rollout.cut``), at the chunk index after their last alive one; 0 elsewhere."""
+    b = ro.alive.shape[0]
+    if ro.cut is None or not bool(ro.cut.any()):
+        return torch.zeros(b)
+    if ro.final_obs is None:
+        raise ValueError("a rollout with cut branches needs final_obs to bootstrap them")
+    f = _encode(policy, ro.final_obs)
+    with torch.no_grad():
+        v = value(f, last_alive(ro.alive).clamp_min(0) + 1)
+    return torch.where(ro.cut.bool(), v, torch.zeros(()))
 
 
 class ValueBaseline:
@@ -189,7 +207,8 @@ class ValueBaseline:
         advs, rets, masks = [], [], []
         for ro, f, r in zip(rollouts, feats, rewards):
             alive = ro.alive.bool() & (ro.group_ids >= 0)[:, None]
-            a, ret = gae(r, self.values(f), alive, self.gamma, self.lam)
+            boot = branch_bootstrap(policy, self.module, ro)
+            a, ret = gae(r, self.values(f), alive, self.gamma, self.lam, bootstrap=boot)
             advs.append(a); rets.append(ret); masks.append(alive)
         flat_a = torch.cat([a[m] for a, m in zip(advs, masks)])
         if self.normalize and flat_a.numel() > 1:

@@ -245,6 +245,8 @@ class RobotClient(ServerLink):
                 run.last_images = images
             images = run.last_images
             if due is not None:
+                with self._lock:  # in flight from now, not from before the frames were read
+                    self.timer.sent(due[0].request_id, time.monotonic())
                 self._send_request(episode, step, proprio, images, due, run.stats)
         self._check_fallback(step, run)
         with self._lock:

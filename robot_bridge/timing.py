@@ -214,6 +214,13 @@ class RequestTimer:
         if now is not None:
             self.last_arrival = now
 
+    def sent(self, request_id: int, now: float) -> None:
+        """The request ``request_id`` actually left at ``now`` (s): when the observation is read
+        after :meth:`due` decided (frames read only for requests), its time in flight counts from
+        here, or a slow observation would make it look overdue."""
+        if request_id in self.inflight:
+            self.inflight[request_id] = (self.inflight[request_id][0], now)
+
     def answered(self, request_id: int) -> None:
         """A chunk or an error for ``request_id`` arrived (unknown ids are ignored)."""
         self.inflight.pop(request_id, None)

@@ -472,6 +472,28 @@ def test_frames_only_at_requests_reads_fewer_frames_and_marks_the_fresh_ones():
     assert moved  # the fresh frames are read anew (the arm moves between requests)
 
 
+def test_a_slow_frame_read_does_not_make_its_request_look_overdue():
+    """Frames that take 6 control periods to read (a slow renderer): the request decided before the
+    read counts as in flight from when it left, so the next one is not sent at the very next step."""
+
+    class SlowFrames(KinematicArm):
+        def observe(self, images=True):
+            if images:
+                time.sleep(0.3)
+            return super().observe(images)
+
+    _, th, robot_end, _ = _start_server(TrackingPolicy(chunk_size=8), delay=0.005)
+    arm = SlowFrames(goal=(5.0, 5.0, 5.0))
+    cl = RobotClient(arm, robot_end, ClientConfig(max_steps=48, frames="requests", request_threshold=2,
+                                                  stop_on_success=False))
+    cl.connect()
+    res = cl.run_episode(0)
+    cl.close()
+    fresh = np.flatnonzero(res.episode.extras["frame_fresh"])
+    assert res.steps == 48 and len(fresh) <= 48 // 4
+    assert not np.any(np.diff(fresh[1:]) == 1), fresh  # never two requests in a row (after the first chunk)
+
+
 def test_frames_at_requests_needs_a_robot_that_declares_it():
     class EagerArm(KinematicArm):
         frames_on_demand = False

@@ -248,3 +248,17 @@ def test_the_libero_pipeline_needs_the_libero_object_expert(tmp_path):
         cfg = compose("pipeline", overrides=["suite=libero_goal"])
     with pytest.raises(ValueError, match="suite=libero_goal has no expert"):
         pipeline.run(cfg, RunContext(cfg, out_dir=tmp_path))
+
+
+def test_the_default_libero_grpo_settings_merge_over_the_stage_defaults():
+    """``libero.grpo`` adds keys ``stages.grpo`` lacks (``starts.first_steps``) to the struct-mode
+    composed config: the merge gives a plain dict with both (the default LIBERO run once died here)."""
+    from hydra import compose, initialize_config_module
+
+    from wmrl.run.libero_pipeline import grpo_overrides
+
+    with initialize_config_module("configs", version_base="1.3"):
+        cfg = compose("pipeline", overrides=["suite=libero_object"])
+    g = grpo_overrides(cfg.stages, cfg.libero)
+    assert g["starts"]["first_steps"] == 1 and g["starts"]["per_task"] == 0
+    assert g["grpo"]["max_chunks"] == 24 and "iterations" in g

@@ -113,6 +113,13 @@ def _eval(cfg: DictConfig, ctx: RunContext, checkpoint: Path, tasks: list) -> di
     return run_libero(ecfg, ctx)
 
 
+def grpo_overrides(stages_cfg: DictConfig, libero_cfg: DictConfig) -> dict:
+    """``libero.grpo`` merged over ``stages.grpo`` as a plain dict (the composed config is in struct
+    mode, where ``libero.grpo`` may add keys ``stages.grpo`` does not have, e.g. ``starts.first_steps``)."""
+    return to_container(OmegaConf.merge(OmegaConf.create(to_container(stages_cfg.get("grpo") or {})),
+                                        OmegaConf.create(to_container(libero_cfg.get("grpo") or {}))))
+
+
 def _imagination_speed(cfg: DictConfig, wm_ckpt: Path, critic_ckpt: Path, store: Path, tasks: dict) -> dict:
     """Imagined control steps/s of this run's world model + critic (batch ``libero.speed.batch_size``,
     random chunks from the demos' first frames; ``wmrl bench imagination``'s measurement, ``wmrl.run.measure``)."""
@@ -193,7 +200,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     ev = {**common, "libero": to_container(L), "tasks": task_idx}
     before = stages.run("eval_before", OmegaConf.create({**ev, "checkpoint": str(bc_ckpt)}),
                         lambda c_, x_: _eval(cfg, x_, bc_ckpt, task_idx))
-    g = to_container(OmegaConf.merge(S.grpo or {}, L.grpo or {}))   # libero.grpo over stages.grpo
+    g = grpo_overrides(S, L)
     grpo_cfg = {**common, **g, "checkpoint": str(bc_ckpt), "tasks": tasks, "suite": None,
                 "starts": {**(g.get("starts") or {}), "store": str(demos)},
                 "refresh": {**(g.get("refresh") or {}), "every": 0}, "evaluation": {"episodes_per_task": 0},

@@ -137,3 +137,18 @@ class GaussianChunkPolicy(torch.nn.Module):
 def toy_starts(n_per_task: int, tasks=("reach_a", "reach_b"), offset: int = 0) -> list[Start]:
     return [Start(task_name=t, instruction=f"go {t}", init_index=offset + i, split="train")
             for t in tasks for i in range(n_per_task)]
+
+
+def toy_grpo_setup(**cfg_kw):
+    """The toy GRPO run of the loop tests: a Gaussian chunk policy on ToyReach (8 slots, 12 steps),
+    two starts, groups of 4, 3 chunks, Adam at 0.02; ``cfg_kw`` override ``GRPOConfig`` fields.
+    Returns ``(policy, GRPOSetup)``."""
+    from wmrl import rl as grpo
+
+    torch.manual_seed(0)
+    pol = GaussianChunkPolicy()
+    env = ToyReachEnv(num_envs=8, max_steps=12)
+    opt = torch.optim.Adam(pol.parameters(), lr=0.02)
+    cfg = grpo.GRPOConfig(**{"group_size": 4, "max_chunks": 3, "epochs": 1, "minibatch_size": 16, **cfg_kw})
+    starts = toy_starts(2)
+    return pol, grpo.GRPOSetup(pol, {"chunk_size": 4, "action_dim": 3}, env, opt, lambda it: starts, cfg)

@@ -3,7 +3,7 @@ them, a steered policy keeps its head, the loop runs the hook on its every."""
 
 import pytest
 import torch
-from grpo_fakes import GaussianChunkPolicy, ToyReachEnv, toy_starts
+from grpo_fakes import GaussianChunkPolicy, toy_grpo_setup
 from test_policy import obs, stats, tiny_policy
 
 from policies.steering import LatentNoisePolicy, LatentNoiseSampler
@@ -63,19 +63,13 @@ def test_the_flow_learns_the_successes_and_a_steered_policy_keeps_its_head():
 
 
 def test_the_loop_runs_the_distill_hook_on_its_every(tmp_path):
-    torch.manual_seed(0)
-    pol = GaussianChunkPolicy()
-    env = ToyReachEnv(num_envs=8, max_steps=12)
-    opt = torch.optim.Adam(pol.parameters(), lr=0.02)
-    cfg = grpo.GRPOConfig(group_size=4, max_chunks=3, epochs=1, minibatch_size=16)
-    starts = toy_starts(2)
+    _, setup = toy_grpo_setup()
     calls = []
 
     def distill(policy, rollouts, generator):
         calls.append(len(rollouts))
         return {"distill_chunks": float(sum(int(r.success.sum()) for r in rollouts))}
 
-    setup = grpo.GRPOSetup(pol, {"chunk_size": 4, "action_dim": 3}, env, opt, lambda it: starts, cfg)
     out = grpo.train_grpo(setup, grpo.LoopConfig(4, tmp_path, seed=0, progress=False),
                           grpo.GRPOHooks(distill=grpo.DistillHook(distill, every=2)))
     assert len(calls) == 2 and all(n > 0 for n in calls)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from grpo_fakes import GaussianChunkPolicy, ToyReachEnv, toy_starts
+from grpo_fakes import GaussianChunkPolicy, ToyReachEnv, toy_grpo_setup, toy_starts
 
 from wmrl import rl as grpo
 from wmrl.kernel.interfaces import ChunkEnv, Policy
@@ -241,19 +241,8 @@ def test_inverse_variance_replays_stop_where_each_rollout_ended():
     assert torch.allclose(mean, base, atol=1e-5) and st["denoise_var_mean"] < 1e-9
 
 
-def _toy_setup():
-    """The toy GRPO run of these tests: a Gaussian chunk policy on ToyReach, two starts, groups of 4."""
-    torch.manual_seed(0)
-    pol = GaussianChunkPolicy()
-    env = ToyReachEnv(num_envs=8, max_steps=12)
-    opt = torch.optim.Adam(pol.parameters(), lr=0.02)
-    cfg = grpo.GRPOConfig(group_size=4, max_chunks=3, epochs=1, minibatch_size=16)
-    starts = toy_starts(2)
-    return pol, grpo.GRPOSetup(pol, {"chunk_size": 4, "action_dim": 3}, env, opt, lambda it: starts, cfg)
-
-
 def _train(tmp, iterations, resume=True):
-    pol, setup = _toy_setup()
+    pol, setup = toy_grpo_setup()
     evals = []
 
     def evaluate(p, n):
@@ -364,7 +353,7 @@ def test_masked_mean_keeps_true_entries_and_broadcasts_a_prefix_mask():
 
 
 def test_each_hook_runs_on_its_own_every(tmp_path):
-    pol, setup = _toy_setup()
+    pol, setup = toy_grpo_setup()
     refreshed = []
     hooks = grpo.GRPOHooks(denoise=grpo.DenoiseHook([ToyReachEnv(num_envs=8, max_steps=12)], every=2),
                            refresh=grpo.RefreshHook(lambda p, n: refreshed.append(n) or {"refresh/x": 1.0}, every=2),

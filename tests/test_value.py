@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from grpo_fakes import GaussianChunkPolicy, ToyReachEnv, toy_starts
+from grpo_fakes import GaussianChunkPolicy, ToyReachEnv, toy_grpo_setup, toy_starts
 
 from wmrl import rl as grpo
 from wmrl.kernel.types import Rollout
@@ -80,19 +80,17 @@ def test_the_value_fit_learns_the_returns_and_its_state_round_trips():
         other.load_state_tensors({}, m)
 
 
-def _gae_setup(cfg_kw=None):
-    torch.manual_seed(0)
-    pol = GaussianChunkPolicy()
-    env = ToyReachEnv(num_envs=8, max_steps=12)
-    opt = torch.optim.Adam(pol.parameters(), lr=0.02)
-    cfg = grpo.GRPOConfig(group_size=4, max_chunks=3, epochs=1, minibatch_size=16, advantage="gae", **(cfg_kw or {}))
-    vb = ValueBaseline(feature_dim=6, max_chunks=3, hidden=32, seed=0)
-    return pol, env, opt, cfg, vb
+def _gae_setup():
+    pol, setup = toy_grpo_setup(advantage="gae")
+    setup.value = ValueBaseline(feature_dim=6, max_chunks=3, hidden=32, seed=0)
+    return pol, setup
 
 
 def test_grpo_iteration_with_gae_gives_chunks_their_own_advantages():
-    pol, env, opt, cfg, vb = _gae_setup()
-    res = grpo.grpo_iteration(env, pol, opt, toy_starts(2), cfg, generator=torch.Generator().manual_seed(0), value=vb)
+    pol, setup = _gae_setup()
+    env, opt, cfg = setup.env, setup.optimizer, setup.cfg
+    res = grpo.grpo_iteration(env, pol, opt, toy_starts(2), cfg, generator=torch.Generator().manual_seed(0),
+                              value=setup.value)
     st = res.stats
     assert {"value_loss", "value_explained_var", "adv_std"} <= set(st) and st["n_transitions"] > 0
     assert abs(st["adv_mean"]) < 1e-5 and abs(st["adv_std"] - 1) < 0.05  # standardised over the chunks
@@ -119,11 +117,9 @@ def test_grpo_with_gae_improves_the_toy_task():
 
 
 def _train(tmp, iterations):
-    pol, env, opt, cfg, vb = _gae_setup()
-    starts = toy_starts(2)
-    setup = grpo.GRPOSetup(pol, {"chunk_size": 4, "action_dim": 3}, env, opt, lambda it: starts, cfg, value=vb)
+    pol, setup = _gae_setup()
     out = grpo.train_grpo(setup, grpo.LoopConfig(iterations, tmp, seed=3, progress=False))
-    return pol, vb, out
+    return pol, setup.value, out
 
 
 def test_train_grpo_with_a_value_resumes_exactly(tmp_path):

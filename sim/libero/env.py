@@ -133,7 +133,7 @@ class LiberoEnv:
             raise ValueError(f"cameras must be true, false or 'on_demand', got {cameras!r}")
         self.on_demand = cameras == "on_demand"
         self.cameras = bool(cameras)
-        self._frames_at: int | None = None  # self.steps (and reset count) of the cached on-demand frames
+        self._frames_at: tuple[int, int] | None = None  # frame_key (reset count, step) of the cached frames
         self._frames: dict = {}
         self._resets = 0
         self.tasks = suite_tasks(suite)

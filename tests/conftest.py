@@ -1,8 +1,14 @@
 """Test-wide settings: one torch thread (2-core machines slow down 20x when oversubscribed),
-headless EGL rendering, and paths to the shared real data."""
+headless EGL rendering, paths to the shared real data, and a home directory of their own: ``HOME``
+points at an empty folder for the session (every process a test starts inherits it), and the run
+fails when anything was written there (issue #23: no file left under the home directory)."""
 
 import os
+import tempfile
 from pathlib import Path
+
+TEST_HOME = tempfile.mkdtemp(prefix="wmrl-test-home-")
+os.environ["HOME"] = TEST_HOME
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
@@ -23,3 +29,14 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA} (set WMRL_SHARED_DATA)")
     return SHARED_DATA
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run when a test left files under ``HOME`` (then remove the folder)."""
+    import shutil
+
+    left = sorted(str(p.relative_to(TEST_HOME)) for p in Path(TEST_HOME).rglob("*"))
+    shutil.rmtree(TEST_HOME, ignore_errors=True)
+    if left:
+        print(f"\nFAILED: the tests wrote under the home directory: {left[:20]}")
+        session.exitstatus = 1

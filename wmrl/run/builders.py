@@ -139,12 +139,18 @@ def load_policy(path, device: str = "cpu"):
     return load_checkpoint(path, map_location=device), cfg
 
 
-def sim_chunk_env(num_envs: int, suite=None, **labels):
-    """``configs/env/sim.yaml``'s ``_target_``: the suite's SimEnv with ``num_envs`` slots.
-    ``labels``: the env config's other keys (``name``, ``context_starts``, ``seed``, ``device``), which
-    the SimEnv does not take. Raises ``ValueError`` without a suite."""
+def sim_chunk_env(num_envs: int, suite=None, workers: int = 1, **labels):
+    """``configs/env/sim.yaml``'s ``_target_``: the suite's SimEnv with ``num_envs`` slots; with
+    ``workers > 1`` its slots split over that many Ray actors (``wmrl.kernel.workers.RayChunkEnv``,
+    the same rollouts). ``labels``: the env config's other keys (``name``, ``context_starts``,
+    ``seed``, ``device``), which the SimEnv does not take. Raises ``ValueError`` without a suite or
+    with ``workers > num_envs``."""
     if suite is None:
         raise ValueError("env=sim needs a suite (suite=default)")
+    if int(workers) > 1:
+        from wmrl.kernel.workers import RayChunkEnv
+
+        return RayChunkEnv(suite.make_env, int(num_envs), int(workers))
     return make_sim_env(int(num_envs), suite=suite)
 
 

@@ -214,6 +214,11 @@ class RunContext:
         self.previous_config: str | None = prev.read_text() if prev.is_file() else None
         prev.write_text(OmegaConf.to_yaml(cfg, resolve=True))
         self.num_threads, self.threads_reason = set_threads(cfg.get("num_threads", None))
+        rc = cfg.get("ray", None)
+        if rc is not None:                 # where workers > 1 run (wmrl.kernel.workers)
+            from wmrl.kernel.workers import configure
+
+            configure(rc.get("address"), rc.get("num_cpus"))
         if "seed" in cfg:
             seed_everything(int(cfg.seed))
         log.info("run directory: %s", self.out_dir)

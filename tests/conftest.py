@@ -1,7 +1,9 @@
 """Test-wide settings: one torch thread (2-core machines slow down 20x when oversubscribed),
 headless EGL rendering, paths to the shared real data, and a home directory of their own: ``HOME``
 points at an empty folder for the session (every process a test starts inherits it), and the run
-fails when anything was written there (issue #23: no file left under the home directory)."""
+fails when anything was written there (issue #23: no file left under the home directory). Library
+caches that default to the home directory (Hugging Face ``datasets``' parquet cache, which lerobot's
+dataset reader fills; XDG caches and configs; matplotlib's) go to a session folder outside it, removed at the end."""
 
 import os
 import tempfile
@@ -9,6 +11,12 @@ from pathlib import Path
 
 TEST_HOME = tempfile.mkdtemp(prefix="wmrl-test-home-")
 os.environ["HOME"] = TEST_HOME
+TEST_CACHE = tempfile.mkdtemp(prefix="wmrl-test-cache-")
+os.environ["HF_HOME"] = os.path.join(TEST_CACHE, "huggingface")
+os.environ["HF_DATASETS_CACHE"] = os.path.join(TEST_CACHE, "huggingface", "datasets")
+os.environ["XDG_CACHE_HOME"] = TEST_CACHE
+os.environ["XDG_CONFIG_HOME"] = os.path.join(TEST_CACHE, "config")
+os.environ["MPLCONFIGDIR"] = os.path.join(TEST_CACHE, "matplotlib")
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
@@ -37,6 +45,8 @@ def pytest_sessionfinish(session, exitstatus):
 
     left = sorted(str(p.relative_to(TEST_HOME)) for p in Path(TEST_HOME).rglob("*"))
     shutil.rmtree(TEST_HOME, ignore_errors=True)
+    shutil.rmtree(TEST_CACHE, ignore_errors=True)
     if left:
-        print(f"\nFAILED: the tests wrote under the home directory: {left[:20]}")
+        where = sorted({"/".join(Path(p).parts[:2]) for p in left})
+        print(f"\nFAILED: the tests wrote {len(left)} paths under the home directory, in {where}")
         session.exitstatus = 1

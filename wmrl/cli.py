@@ -27,10 +27,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("serve", "policy server for the robot bridge"),
     "refine": ("refine", "fine-tune the world model and critic on recorded failures and report the fidelity change"),
     "doctor": ("doctor", "what this machine has and wmrl will choose (precision, threads, renderer), and the pipeline's estimated time"),
-    "bench": ("bench", "benchmarks: `wmrl bench sim|imagination|policy|grpo|bridge|dynamics`"),
+    "torchrun": ("", "data-parallel training on this machine: `wmrl torchrun [--nproc-per-node N] train-policy|train-worldmodel|train-critic ...` (loopback only)"),
+    "bench": ("bench", "benchmarks: `wmrl bench sim|imagination|policy|grpo|bridge|dynamics|scale`"),
 }
 
-BENCHES = ("sim", "imagination", "policy", "grpo", "bridge", "dynamics")
+BENCHES = ("sim", "imagination", "policy", "grpo", "bridge", "dynamics", "scale")
 
 
 def _usage() -> str:
@@ -55,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     from wmrl.kernel.workers import die_with_parent_from_env
 
     die_with_parent_from_env()  # a child command (started with wmrl.kernel.workers.child_env) dies with its parent
+    if name == "torchrun":
+        from wmrl.kernel.distributed import launch
+
+        try:
+            return launch(rest)
+        except ValueError as e:
+            print(f"wmrl torchrun: {e}", file=sys.stderr)
+            return 2
     module_name = SUBCOMMANDS[name][0]
     if name == "bench":
         if not rest or rest[0] not in BENCHES:

@@ -58,7 +58,8 @@ def _common_report(tr: Trainer, budget_clock: str) -> dict:
             "steps_this_run": tr.step - tr.start_step, "train_seconds": round(tr.clock.wall(), 1),
             "train_cpu_seconds_per_thread": round(tr.clock.process(), 1), "budget_clock": budget_clock,
             "final_loss": float(np.mean(hist)) if hist else None, "stopped_by_time": tr.over,
-            "resumed_from": tr.start_step if tr.resumed is not None else None}
+            "resumed_from": tr.start_step if tr.resumed is not None else None,
+            "data_parallel": tr.parallel(int(getattr(tr.task, "batch_size", 0)))}
 
 
 # ---------------------------------------------------------------------------- world model
@@ -160,6 +161,24 @@ class WorldModelTask(_WindowTask):
             m.train(was)
         prev = state.proprio if state.prev_proprio is None else state.prev_proprio
         return to_uint8(state.frames), state.proprio.float(), prev.float()
+
+    def shard(self, batch, rank, world):
+        """Under torchrun each of the three sub-batches is split on its own (they have their own
+        sizes); the dynamics' bootstrap mask ``(K, B)`` is split on its batch dimension. The masked
+        dynamics loss is a ratio of sums, so its rank mean is close to, not equal to, the one-process
+        loss; the frame loss is an exact mean."""
+        from wmrl.kernel.distributed import shard
+
+        w, path, gw = batch
+        w = shard(w, rank, world, "world-model window batch")
+        if path is not None:
+            mask = path.get("mask")
+            path = shard({k: v for k, v in path.items() if k != "mask"}, rank, world, "dynamics path batch")
+            if mask is not None:
+                path["mask"] = shard(mask.T.contiguous(), rank, world, "dynamics mask").T
+        if gw is not None:
+            gw = shard(gw, rank, world, "finger-gap batch")
+        return w, path, gw
 
     def loss(self, batch):
         w, path, gw = batch     # windows; the dynamics' proprio paths and the grasp head's windows, or None

@@ -15,10 +15,17 @@ autocast when given), optional finite check, ``zero_grad``, ``backward``, gradie
 ``grad_clip > 0``), ``opt.step()``, ``task.after_step()`` (e.g. EMA), logging, budget check,
 ``task.evaluate``, periodic checkpoint. Batches are drawn from the task's iterator before the LR is
 set (the LR draws no random numbers).
+
+Under ``torchrun`` (``WORLD_SIZE > 1``) the same run is data-parallel (:mod:`wmrl.kernel.distributed`):
+every rank draws the same global batch and keeps its rows (``task.shard``), the loss's own random
+numbers are drawn per rank, gradients are averaged in one all-reduce after ``backward``, and rank 0
+alone writes checkpoints, TensorBoard and the bar; every rank resumes from rank 0's ``last``. The
+configured batch is the effective batch and the LR is unchanged, whatever the number of ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -155,6 +162,14 @@ class TrainTask:
     def tag(self, step: int) -> str:
         return f"step_{step:06d}"
 
+    def shard(self, batch, rank: int, world: int):
+        """This rank's part of a global batch under torchrun (default
+        :func:`wmrl.kernel.distributed.shard`: rows ``rank*B/world ..`` of every batch-sized tensor).
+        Override when a batch holds several sub-batches or a batch dimension that is not the first."""
+        from wmrl.kernel.distributed import shard
+
+        return shard(batch, rank, world, what=f"{self.name} batch")
+
     def streams(self) -> dict:
         """Named ``torch.Generator`` / ``numpy.random.Generator`` of the run, saved for exact resume."""
         return {}
@@ -216,6 +231,10 @@ class Trainer:
         self.progress: dict = {}
         self.writer = None
         self.over = self.cut = False
+        from wmrl.kernel.distributed import DataParallel, init_from_env
+
+        self.dp = DataParallel(self.params) if init_from_env() else None
+        self.main = self.dp is None or self.dp.rank == 0
 
     # ------------------------------------------------------------ resume
     def _resume(self) -> bool:
@@ -276,7 +295,11 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints
     def save(self, report: dict | None = None) -> Path:
-        """Write ``<tag>`` and ``last`` (each atomically) with everything an exact resume needs."""
+        """Write ``<tag>`` and ``last`` (each atomically) with everything an exact resume needs (rank 0
+        only under torchrun; the other ranks wait until it is written)."""
+        if not self.main:
+            self._barrier()
+            return self.ckpt_root / "last"
         from wmrl.kernel.checkpoint import optimizer_to_tensors, save_checkpoint
         from wmrl.kernel.rng import capture_rng
 
@@ -293,7 +316,14 @@ class Trainer:
         model, config = self.task.checkpoint_model(), self.task.checkpoint_config()
         for f in (self.ckpt_root / self.task.tag(self.step), self.ckpt_root / "last"):
             save_checkpoint(model, f, config, extra_tensors=tensors or None, meta=meta)
+        self._barrier()
         return self.ckpt_root / "last"
+
+    def _barrier(self) -> None:
+        if self.dp is not None:
+            from wmrl.kernel.distributed import barrier
+
+            barrier()
 
     # ------------------------------------------------------------ training
     def _one_step(self, batch) -> tuple[dict, float, Any, float]:
@@ -302,21 +332,28 @@ class Trainer:
         lr = lr_at(step, c.steps, c.lr, c.warmup, c.min_lr_ratio, frac)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        if c.precision is not None:
-            with c.precision.autocast():
+        dp = self.dp
+        if dp is not None:
+            batch = self.task.shard(batch, dp.rank, dp.world)
+        with (dp.rank_rng(self.task.streams()) if dp is not None else contextlib.nullcontext()):
+            if c.precision is not None:
+                with c.precision.autocast():
+                    loss, metrics = self.task.loss(batch)
+            else:
                 loss, metrics = self.task.loss(batch)
-        else:
-            loss, metrics = self.task.loss(batch)
         if c.check_finite and not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite {self.task.name} loss at step {step}: {float(loss)}")
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        value = metrics.get("loss", loss)
+        value = float(value.detach() if isinstance(value, torch.Tensor) else value)
+        if dp is not None:
+            value = dp.all_reduce_grads(value)
         gnorm = torch.nn.utils.clip_grad_norm_(self.params, c.grad_clip) if c.grad_clip > 0 else torch.tensor(0.0)
         self.opt.step()
         self.task.after_step()
         self.step += 1
-        value = metrics.get("loss", loss)
-        return metrics, float(value.detach() if isinstance(value, torch.Tensor) else value), gnorm, lr
+        return metrics, value, gnorm, lr
 
     def _log(self, metrics: dict, lr: float, gnorm) -> None:
         avg = sum(self.recent) / len(self.recent)
@@ -341,15 +378,19 @@ class Trainer:
             return self
         if self.resumed is None:
             self.task.fresh_start()
+        if self.dp is not None:      # rank 0's weights and statistics on every rank
+            self.dp.broadcast_params([self.task.module] + ([self.task.checkpoint_model()]
+                                                           if self.task.checkpoint_model() is not self.task.module else []))
         self.recent = list(self.progress.get("recent", []))
-        if c.tensorboard:
+        if c.tensorboard and self.main:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.out_dir / "tb"))
         self.clock = BudgetClock(c.budget_clock, self.progress.get("clock", {"wall_s": self.progress.get("train_time_s", 0.0)}))
         self.t0 = time.time()
         self.task.module.train()
-        self.bar = tqdm(total=c.steps, initial=self.step, desc=c.desc, disable=not c.progress, dynamic_ncols=True)
+        self.bar = tqdm(total=c.steps, initial=self.step, desc=c.desc, disable=not (c.progress and self.main),
+                        dynamic_ncols=True)
         for batch in (self.task.batches(self.step, c.steps) if self.step < c.steps else ()):
             metrics, value, gnorm, lr = self._one_step(batch)
             self.bar.update(1)
@@ -357,6 +398,8 @@ class Trainer:
             if self.step % c.log_every == 0 or self.step == c.steps:
                 self._log(metrics, lr, gnorm)
             self.over = c.budget_s is not None and self.clock.elapsed() > c.budget_s
+            if self.dp is not None and c.budget_s is not None:     # every rank stops at the same step
+                self.over = self.dp.any_flag(self.over)
             if self.writer is not None and c.eval_every > 0 and (
                     self.step % c.eval_every == 0 or self.step == c.steps or self.over):
                 self.task.evaluate(self.step, self.writer)
@@ -371,6 +414,14 @@ class Trainer:
                         "short and not comparable with a full one", self.task.name, c.budget_s, self.step, c.steps)
         self.task.module.eval()
         return self
+
+    def parallel(self, batch_size: int) -> dict:
+        """The report's ``data_parallel`` entry: ranks, backend, effective (global) and per-rank batch
+        and the peak LR (the same for any number of ranks: the configured batch is the global one)."""
+        w = 1 if self.dp is None else self.dp.world
+        backend = "none" if self.dp is None else torch.distributed.get_backend()
+        return {"world_size": w, "backend": backend, "effective_batch": int(batch_size),
+                "per_rank_batch": int(batch_size) // w, "lr": self.cfg.lr}
 
     def finish(self, report: dict | None, save: bool = True) -> None:
         """Write the final checkpoint (carrying ``report``) when ``save``, and close TensorBoard."""

@@ -266,11 +266,11 @@ def worker_pool(workers: int) -> RayPool:
 class _EnvActor:
     """One Ray actor's share of a :class:`RayChunkEnv`: ``make_env(num_envs)`` and its calls."""
 
-    def __init__(self, make_env, num_envs: int):
+    def __init__(self, make_env, num_envs: int, index: int | None = None):
         import torch
 
         torch.set_num_threads(1)
-        self.env = make_env(int(num_envs))
+        self.env = make_env(int(num_envs)) if index is None else make_env(int(num_envs), int(index))
 
     def describe(self) -> dict:
         e = self.env
@@ -343,9 +343,13 @@ class RayChunkEnv:
 
     Args:
         make_env: picklable ``num_envs -> ChunkEnv`` (e.g. ``functools.partial`` of a module function
-            or a bound ``Suite.make_env``).
+            or a bound ``Suite.make_env``); with ``indexed``: ``(num_envs, actor index) -> ChunkEnv``
+            (e.g. world-model replicas, each with its own sampling seed).
         num_envs: ``B`` (>= ``workers``).
         workers: Ray actors (one CPU each, on the cluster :func:`configure` names).
+        num_gpus: GPUs per actor (Ray sets its ``CUDA_VISIBLE_DEVICES``, so ``cuda:0`` in the actor
+            is its own GPU); 0 on CPU.
+        indexed: pass the actor's index to ``make_env``.
 
     Raises:
         ValueError: ``workers < 1`` or ``num_envs < workers``; ``step`` with a wrong batch.
@@ -353,7 +357,7 @@ class RayChunkEnv:
 
     SLOT_METHODS = ("sim_state", "privileged", "elapsed", "record", "take_frames")
 
-    def __init__(self, make_env, num_envs: int, workers: int):
+    def __init__(self, make_env, num_envs: int, workers: int, num_gpus: float = 0.0, indexed: bool = False):
         num_envs, workers = int(num_envs), int(workers)
         if workers < 1 or num_envs < workers:
             raise ValueError(f"RayChunkEnv needs 1 <= workers <= num_envs, got workers={workers}, num_envs={num_envs}")
@@ -362,8 +366,8 @@ class RayChunkEnv:
         sizes = [num_envs // workers + (k < num_envs % workers) for k in range(workers)]
         self._offsets = [sum(sizes[:k]) for k in range(workers)]
         self._sizes = sizes
-        actor = self._ray.remote(num_cpus=1, max_restarts=0)(_EnvActor)
-        self._actors = [actor.remote(make_env, b) for b in sizes]
+        actor = self._ray.remote(num_cpus=1, num_gpus=float(num_gpus), max_restarts=0)(_EnvActor)
+        self._actors = [actor.remote(make_env, b, k if indexed else None) for k, b in enumerate(sizes)]
         desc = self._ray.get([a.describe.remote() for a in self._actors])
         if [d["num_envs"] for d in desc] != sizes:
             raise ValueError(f"make_env gave envs of {[d['num_envs'] for d in desc]} slots, asked for {sizes}")

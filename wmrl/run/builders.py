@@ -154,16 +154,44 @@ def sim_chunk_env(num_envs: int, suite=None, workers: int = 1, **labels):
     return make_sim_env(int(num_envs), suite=suite)
 
 
+def imagination_replica(world_model: str, critic: str, seed: int, device: str, options: dict, num_envs: int,
+                        replica: int):
+    """Replica ``replica`` of a served imagination (:func:`imagination_chunk_env` with ``replicas > 1``):
+    an ImaginationEnv of ``num_envs`` slots whose sampling seed is ``seed + 1_000_003 * replica`` (the
+    replicas do not draw the same noise), on ``device`` (``"cuda"``: the actor's own GPU)."""
+    return make_imagination_env(world_model, critic, int(num_envs), seed=int(seed) + 1_000_003 * int(replica),
+                                device=device, **dict(options))
+
+
 def imagination_chunk_env(world_model: str, critic: str, num_envs: int, imagination: dict | None = None,
-                          seed: int = 0, device: str = "cpu", **labels):
+                          seed: int = 0, device: str = "cpu", replicas: int = 1, gpus_per_replica: float = 0.0,
+                          **labels):
     """``configs/env/imagination.yaml``'s ``_target_``: an ImaginationEnv from world-model and critic
     checkpoint folders (:func:`make_imagination_env`); ``imagination``: its options. ``labels``: the
     env config's other keys (``name``, ``context_starts``, ``context_num_envs``, ``suite``).
-    Raises ``ValueError`` when a checkpoint path is missing."""
+
+    ``replicas > 1``: imagination served by that many world-model replicas, Ray actors (on the
+    cluster ``ray.address`` names; ``gpus_per_replica`` GPUs each), each holding the world model and
+    the critic and stepping its contiguous share of the learner's ``num_envs`` slots in one batched
+    call per chunk (:class:`wmrl.kernel.workers.RayChunkEnv`, ``indexed``; seeds per replica,
+    :func:`imagination_replica`). A deterministic world model gives the one-replica rollouts; a
+    sampling one gives other (equally distributed) samples than one replica, the same for the same
+    number of replicas. The replicas' world models are not the learner's: world-model refresh
+    (``refresh.every``) needs ``replicas=1``.
+
+    Raises ``ValueError`` when a checkpoint path is missing or ``replicas > num_envs``."""
     for k, v in (("world_model", world_model), ("critic", critic)):
         if v in (None, "", "???"):
             raise ValueError(f"env=imagination needs env.{k}=PATH (a {k} checkpoint folder)")
     kw = OmegaConf.to_container(imagination, resolve=True) if OmegaConf.is_config(imagination) else dict(imagination or {})
+    if int(replicas) > 1:
+        import functools
+
+        from wmrl.kernel.workers import RayChunkEnv
+
+        make = functools.partial(imagination_replica, str(world_model), str(critic), int(seed),
+                                 "cuda" if float(gpus_per_replica) > 0 else device, kw)
+        return RayChunkEnv(make, int(num_envs), int(replicas), num_gpus=float(gpus_per_replica), indexed=True)
     return make_imagination_env(str(world_model), str(critic), int(num_envs), seed=seed, device=device, **kw)
 
 

@@ -208,12 +208,18 @@ class RunContext:
             except ValueError:  # not under Hydra
                 self.out_dir = Path.cwd() / "runs" / time.strftime("%Y-%m-%d/%H-%M-%S")
                 self.launch_dir = Path.cwd()
+        self.num_threads, self.threads_reason = set_threads(cfg.get("num_threads", None))
+        from wmrl.kernel.distributed import is_main
+
+        self.main = is_main()              # rank 0 under torchrun, else True
+        if out_dir is None:
+            self._join_torchrun()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         prev = self.out_dir / "config.yaml"
         # a resumed run's config, put back by restore_config() when the resume is refused
         self.previous_config: str | None = prev.read_text() if prev.is_file() else None
-        prev.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        self.num_threads, self.threads_reason = set_threads(cfg.get("num_threads", None))
+        if self.main:
+            prev.write_text(OmegaConf.to_yaml(cfg, resolve=True))
         rc = cfg.get("ray", None)
         if rc is not None:                 # where workers > 1 run (wmrl.kernel.workers)
             from wmrl.kernel.workers import configure
@@ -223,13 +229,29 @@ class RunContext:
             seed_everything(int(cfg.seed))
         log.info("run directory: %s", self.out_dir)
 
+    def _join_torchrun(self) -> None:
+        """Under torchrun (``WORLD_SIZE > 1``): join the process group and take rank 0's run directory
+        (Hydra's timestamped one may differ by a second between ranks; a stray one that only holds
+        Hydra's own files is removed). Only rank 0 writes ``config.yaml`` and ``report.json``."""
+        from wmrl.kernel import distributed
+
+        if not distributed.init_from_env():
+            return
+        own = self.out_dir
+        self.out_dir = Path(distributed.broadcast_object(str(self.out_dir)))
+        self.main = distributed.is_main()
+        if own != self.out_dir and own.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in own.iterdir()):
+            import shutil
+
+            shutil.rmtree(own, ignore_errors=True)
+
     def restore_config(self) -> None:
         """Put back the ``config.yaml`` this run directory had before this command (if any): for a
         command that refused to resume, so the directory's config still describes its results."""
-        if self.previous_config is not None:
+        if self.previous_config is not None and self.main:
             (self.out_dir / "config.yaml").write_text(self.previous_config)
 
-    def child(self, name: str, cfg: DictConfig) -> "RunContext":
+    def child(self, name: str, cfg: DictConfig) -> RunContext:
         """A sub-run (pipeline stage) in ``out_dir/name`` with its own config.yaml / report.json."""
         return RunContext(cfg, out_dir=self.out_dir / name, launch_dir=self.launch_dir)
 
@@ -245,6 +267,7 @@ class RunContext:
         report.setdefault("wall_time_s", round(time.time() - self.t0, 3))
         report.setdefault("runtime", runtime_info(self.threads_reason))
         out = self.out_dir / name
-        out.write_text(json.dumps(_jsonable(report), indent=2))
-        log.info("report: %s", out)
+        if self.main:
+            out.write_text(json.dumps(_jsonable(report), indent=2))
+            log.info("report: %s", out)
         return out

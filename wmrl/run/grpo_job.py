@@ -55,6 +55,9 @@ def _maybe_refresher(cfg: DictConfig, ctx: RunContext, env, suite, tasks: dict, 
     if not cfg.env.get("world_model") or not cfg.env.get("critic"):
         raise ValueError("refresh.every > 0 refines the world model: it needs env=imagination "
                          "(env.world_model and env.critic checkpoints)")
+    if int(cfg.env.get("replicas", 1) or 1) > 1:
+        raise ValueError("refresh.every > 0 fine-tunes the learner's world model, which replicas do not share: "
+                         "use env.replicas=1 with refresh, or refresh.every=0 with replicas")
     if suite is None:
         raise ValueError("refresh.every > 0 needs a suite (the real sim the policy is rolled out in)")
     if rc.get("store") in (None, "", "???"):

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         from wmrl.kernel.distributed import launch
 
         try:
-            return launch(rest)
+            return launch(rest, commands=set(SUBCOMMANDS))
         except ValueError as e:
             print(f"wmrl torchrun: {e}", file=sys.stderr)
             return 2

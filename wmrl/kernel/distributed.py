@@ -163,15 +163,14 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def launch(argv: list[str]) -> int:
+def launch(argv: list[str], commands: frozenset[str] | set[str] = frozenset()) -> int:
     """``wmrl torchrun [torchrun options] <wmrl subcommand | -m module | script> [args]``: torchrun on
     this machine with every socket on loopback (module docstring). Options before the command go to
     torchrun (default ``--nproc-per-node 2``); ``--nnodes`` other than 1 is refused (use torchrun with
-    a reachable rendezvous endpoint for several machines). Returns torchrun's exit status."""
+    a reachable rendezvous endpoint for several machines). A first word in ``commands`` (the ``wmrl``
+    CLI passes its subcommands) runs as ``-m wmrl.cli <word>``. Returns torchrun's exit status."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from wmrl.cli import SUBCOMMANDS
 
     opts, i = [], 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "-m":
@@ -185,7 +184,7 @@ def launch(argv: list[str]) -> int:
     rest = argv[i:]
     if not rest:
         raise ValueError("usage: wmrl torchrun [--nproc-per-node N] <wmrl subcommand> [key=value ...]")
-    if rest[0] in SUBCOMMANDS:
+    if rest[0] in commands:           # a wmrl subcommand (``commands``: the CLI's table)
         rest = ["-m", "wmrl.cli", *rest]
     joined = " ".join(opts)
     if any(k in joined for k in ("--nnodes", "--rdzv", "--master", "--standalone", "--local-addr")):

@@ -402,7 +402,9 @@ class Trainer:
                 self.over = self.dp.any_flag(self.over)
             if self.writer is not None and c.eval_every > 0 and (
                     self.step % c.eval_every == 0 or self.step == c.steps or self.over):
-                self.task.evaluate(self.step, self.writer)
+                # under torchrun only rank 0 evaluates: its draws must not move the RNG state the ranks share
+                with torch.random.fork_rng(enabled=self.dp is not None):
+                    self.task.evaluate(self.step, self.writer)
             if self.over:
                 break
             if c.ckpt_every > 0 and self.step % c.ckpt_every == 0 and self.step < c.steps:

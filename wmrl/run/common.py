@@ -232,7 +232,8 @@ class RunContext:
     def _join_torchrun(self) -> None:
         """Under torchrun (``WORLD_SIZE > 1``): join the process group and take rank 0's run directory
         (Hydra's timestamped one may differ by a second between ranks; a stray one that only holds
-        Hydra's own files is removed). Only rank 0 writes ``config.yaml`` and ``report.json``."""
+        Hydra's own files is removed). Only rank 0 writes ``config.yaml`` and ``report.json`` and logs
+        at INFO; the other ranks log warnings and errors."""
         from wmrl.kernel import distributed
 
         if not distributed.init_from_env():
@@ -240,6 +241,8 @@ class RunContext:
         own = self.out_dir
         self.out_dir = Path(distributed.broadcast_object(str(self.out_dir)))
         self.main = distributed.is_main()
+        if not self.main:                  # rank 0 tells the story; the other ranks only warn
+            logging.getLogger("wmrl").setLevel(logging.WARNING)
         if own != self.out_dir and own.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in own.iterdir()):
             import shutil
 

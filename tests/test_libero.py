@@ -319,6 +319,38 @@ def test_killed_libero_worker_fails_its_episode_and_the_evaluation_goes_on(tmp_p
     assert [merged.episode(i).info["init_index"] for i in range(len(merged))] == [0, 2]
 
 
+@needs_libero_env
+@pytest.mark.slow
+def test_libero_evaluation_with_two_workers_runs_them_from_ray_actors(tmp_path):
+    """``workers=2``: each LIBERO env worker is started by a one-CPU Ray actor on this node
+    (``wmrl.kernel.workers.RayProcess``); the two workers run their dealt episodes and the report and
+    the merged store hold the same plan (task, init, seed) as ``workers=1``. (The bridge streams
+    chunks asynchronously in real time, so the executed actions are not compared.)"""
+    import json
+    import sys
+
+    from wmrl.kernel.storage import EpisodeStore
+
+    plans = {}
+    for w in (1, 2):
+        out = tmp_path / f"w{w}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+        p = subprocess.run([sys.executable, "-m", "wmrl.cli", "evaluate", "suite=libero_object", "checkpoint=test_policy",
+                            "tasks=[0]", "suite.inits=[0,1]", f"workers={w}", "videos_per_task=0",
+                            'suite.worker_overrides=["+arm.env.max_steps=20"]', f"hydra.run.dir={out}"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+        rep = json.loads((out / "report.json").read_text())
+        assert rep["workers"] == w and rep["episodes_worker_died"] == 0
+        plans[w] = [(r["task"], r["init_index"], r["seed"]) for r in rep["episodes"]]
+        merged = EpisodeStore.open(out / "episodes", mode="r")
+        assert [merged.episode(i).info["init_index"] for i in range(len(merged))] == [0, 1]
+        log_text = (out / "evaluate.log").read_text()
+        assert (", on Ray)" in log_text) == (w > 1)
+        assert {r["worker"] for r in rep["episodes"]} == ({"0.0"} if w == 1 else {"0.0", "1.0"})
+    assert plans[1] == plans[2]
+
+
 def test_object_place_expert_on_a_kinematic_arm():
     """The libero_object expert's commands on a point arm that moves 0.05 m per unit command (OSC_POSE
     delta scale) and carries the object once closed on it: it reaches, closes (+1), lifts, carries

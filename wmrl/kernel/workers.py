@@ -438,3 +438,67 @@ class RayChunkEnv:
         for a in self._actors:
             self._ray.kill(a)
         self._actors = []
+
+
+class _ProcessActor:
+    """One Ray actor that runs one command (see :class:`RayProcess`)."""
+
+    def __init__(self):
+        self.proc = None
+
+    def start(self, args: list[str], cwd: str, env: dict, log_path: str) -> int:
+        import subprocess
+
+        log_file = open(log_path, "w")  # noqa: SIM115 - the command's log; the process holds it until it exits
+        # the command dies with this actor (wmrl.cli calls die_with_parent_from_env first thing)
+        self.proc = subprocess.Popen(args, cwd=cwd, env={**env, PARENT_ENV: str(os.getpid())}, stdout=log_file,
+                                     stderr=subprocess.STDOUT)
+        log_file.close()
+        return self.proc.pid
+
+    def poll(self):
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class RayProcess:
+    """A ``wmrl`` command run as a child of a one-CPU Ray actor, on the node Ray places it (with
+    ``ray.address=auto`` any node of the cluster): the part of ``subprocess.Popen`` a supervisor uses,
+    ``pid`` (on that node), ``poll()`` (``None`` while it runs, else its exit status; ``-9`` when the
+    actor itself is gone) and ``kill()``. Used for environments that run in another Python
+    environment (the LIBERO env workers in ``.venv-libero``); the command dies with its actor.
+
+    Args:
+        args: the command line; ``cwd``, ``env``: its directory and environment; ``log_path``: its
+            stdout and stderr (a path the node can write: shared storage on a cluster).
+        this_node: place the actor on this driver's node (for a command that talks to a server
+            listening on this node's loopback).
+    """
+
+    def __init__(self, args: list[str], cwd: str, env: dict, log_path: str, this_node: bool = False):
+        self._ray = ray_init()
+        opts: dict = {"num_cpus": 1, "max_restarts": 0}
+        if this_node:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                self._ray.get_runtime_context().get_node_id(), soft=False)
+        self._actor = self._ray.remote(**opts)(_ProcessActor).remote()
+        self.pid = int(self._ray.get(self._actor.start.remote([str(a) for a in args], str(cwd), dict(env), str(log_path))))
+
+    def poll(self):
+        try:
+            return self._ray.get(self._actor.poll.remote())
+        except self._ray.exceptions.RayActorError:
+            return -9
+
+    def kill(self) -> None:
+        try:
+            self._ray.get(self._actor.kill.remote())
+        except self._ray.exceptions.RayActorError:
+            pass
+        self._ray.kill(self._actor)

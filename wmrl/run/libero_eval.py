@@ -6,7 +6,9 @@ port; ``workers`` LIBERO env workers run in the LIBERO environment (``.venv-libe
 ``scripts/setup_libero.sh``) as ``wmrl robot --config-name robot_libero`` processes (the bridge's
 arm node over ``sim.libero.env.LiberoChunkEnv``), each given its own list of ``(task, init index)``
 episodes and its own EpisodeStore. The episodes (the chosen tasks x the chosen official init
-states) are dealt round-robin to the workers.
+states) are dealt round-robin to the workers. ``workers=1`` starts its worker as a subprocess;
+``workers > 1`` starts each from a one-CPU Ray actor (``wmrl.kernel.workers.RayProcess``, the
+worker dies with its actor), pinned to this node because the policy server listens on loopback.
 
 A worker that dies (killed, crashed) mid-episode: the episodes it recorded are kept (its store's
 appends are crash-safe), the episode under way is counted as failed with label ``worker_died`` and
@@ -101,7 +103,7 @@ class _Worker:
 
 
 def _start_worker(py: Path, cfg: DictConfig, address: str, slot: int, attempt: int, episodes: list[dict],
-                  out_dir: Path) -> _Worker:
+                  out_dir: Path, on_ray: bool = False) -> _Worker:
     out = out_dir / "workers" / f"{slot}_{attempt}"
     out.mkdir(parents=True, exist_ok=True)
     pairs = "[" + ",".join(f"[{e['task_index']},{e['init_index']}]" for e in episodes) + "]"
@@ -111,9 +113,16 @@ def _start_worker(py: Path, cfg: DictConfig, address: str, slot: int, attempt: i
             f"image_size=[{int(s.image_size[0])},{int(s.image_size[1])}]", f"arm.env.seed={int(cfg.seed)}",
             f"store={out / 'episodes'}", f"hydra.run.dir={out}", "reconnect.attempts=2",
             f"control.max_steps={int(s.max_steps_cap)}", f"control.frames={s.get('frames', 'every_step')}"] + [str(o) for o in (s.get("worker_overrides") or [])]
-    f = open(out / "worker.log", "w")  # noqa: SIM115 - the worker's log, closed when it exits
-    proc = subprocess.Popen(args, cwd=REPO, env=_worker_env(), stdout=f, stderr=subprocess.STDOUT)
-    log.info("LIBERO env worker %d.%d started (pid %d): %d episodes", slot, attempt, proc.pid, len(episodes))
+    if on_ray:      # a one-CPU Ray actor runs it, on the node Ray places it (wmrl.kernel.workers.RayProcess)
+        from wmrl.kernel.workers import RayProcess
+
+        # the policy server listens on this node's loopback: the workers run on this node
+        proc, f = RayProcess(args, str(REPO), _worker_env(), str(out / "worker.log"), this_node=True), None
+    else:
+        f = open(out / "worker.log", "w")  # noqa: SIM115 - the worker's log, closed when it exits
+        proc = subprocess.Popen(args, cwd=REPO, env=_worker_env(), stdout=f, stderr=subprocess.STDOUT)
+    log.info("LIBERO env worker %d.%d started (pid %d%s): %d episodes", slot, attempt, proc.pid,
+             ", on Ray" if on_ray else "", len(episodes))
     return _Worker(slot, attempt, episodes, proc, out, f)
 
 
@@ -138,7 +147,8 @@ def _worker_exited(w: "_Worker", rc: int, index_of: dict, results: dict, recorde
     Raises:
         ValueError: the worker could not start at all (its log's tail in the message; no retry helps).
     """
-    w.log_file.close()
+    if w.log_file is not None:
+        w.log_file.close()
     eps = _recorded(w.out / "episodes")
     done = {int(ep.info.get("episode", -1)): ep for ep in eps}
     for j, e in enumerate(w.episodes):
@@ -223,7 +233,9 @@ def run_libero(cfg: DictConfig, ctx: RunContext) -> dict:
     recorded: list[tuple[int, object]] = []  # (plan index, Episode)
     restarts: list[dict] = []
     index_of = {id(e): i for i, e in enumerate(episodes)}
-    active = [_start_worker(py, cfg, link.address, w, 0, episodes[w::workers], ctx.out_dir) for w in range(workers)]
+    on_ray = workers > 1      # workers=1: one subprocess; more: each started by a Ray actor
+    active = [_start_worker(py, cfg, link.address, w, 0, episodes[w::workers], ctx.out_dir, on_ray)
+              for w in range(workers)]
     try:
         while active:
             time.sleep(0.5)
@@ -234,7 +246,7 @@ def run_libero(cfg: DictConfig, ctx: RunContext) -> dict:
                 active.remove(w)
                 rest = _worker_exited(w, rc, index_of, results, recorded, restarts)
                 if rest and w.attempt < int(s.max_restarts):
-                    active.append(_start_worker(py, cfg, link.address, w.slot, w.attempt + 1, rest, ctx.out_dir))
+                    active.append(_start_worker(py, cfg, link.address, w.slot, w.attempt + 1, rest, ctx.out_dir, on_ray))
                 elif rest:
                     log.error("slot %d restarted %d times; its last %d episodes are not run", w.slot, w.attempt, len(rest))
     finally:

@@ -236,7 +236,7 @@ def train_bc(policy, dataset, cfg: Any, out_dir: str | Path, val_dataset=None) -
               "samples_per_s": round(done_samples / max(1e-9, train_time), 2) if done_samples else None,
               "checkpoint": str(ckpt_root / "last"), "step_checkpoint": str(ckpt_root / f"step_{step}"),
               "resumed_from": tr.resumed, "num_params": sum(p.numel() for p in policy.parameters()),
-              "data_parallel": tr.parallel(c["batch_size"]), "world_size": tr.parallel(c["batch_size"])["world_size"]}
+              "data_parallel": tr.parallel(c["batch_size"])}
     if val_dataset is not None and len(val_dataset) > 0:
         report["val_loss"] = evaluate_loss(task.checkpoint_model(), val_dataset, c["batch_size"], seed=c["seed"])
         if tr.writer is not None:

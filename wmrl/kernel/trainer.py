@@ -379,8 +379,8 @@ class Trainer:
         if self.resumed is None:
             self.task.fresh_start()
         if self.dp is not None:      # rank 0's weights and statistics on every rank
-            self.dp.broadcast_params([self.task.module] + ([self.task.checkpoint_model()]
-                                                           if self.task.checkpoint_model() is not self.task.module else []))
+            kept = self.task.checkpoint_model()       # e.g. BC's EMA copy
+            self.dp.broadcast_params([self.task.module] + ([kept] if kept is not self.task.module else []))
         self.recent = list(self.progress.get("recent", []))
         if c.tensorboard and self.main:
             from torch.utils.tensorboard import SummaryWriter

@@ -83,7 +83,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         rep = json.loads((d / "report.json").read_text())
         sps = rep["steps"] / max(1e-9, rep["train_time_s"])
         tr[name] = {"steps": rep["steps"], "train_time_s": rep["train_time_s"], "steps_per_s": round(sps, 3),
-                    "wall_s": round(wall, 2), "final_loss": rep.get("final_loss"), "world_size": rep.get("world_size", 1)}
+                    "wall_s": round(wall, 2), "final_loss": rep.get("final_loss"), "world_size": rep["data_parallel"]["world_size"]}
         print(f"train-policy {name}: {sps:.2f} steps/s ({rep['steps']} steps of batch {t.batch_size}; {wall:.1f} s wall)")
     train_ratio = tr["2_ranks_x_1_thread"]["steps_per_s"] / tr["1_process_x_2_threads"]["steps_per_s"]
     print(f"training steps/s, 2 ranks x 1 thread / 1 process x 2 threads: {train_ratio:.2f}x")

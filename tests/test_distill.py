@@ -74,3 +74,65 @@ def test_the_loop_runs_the_distill_hook_on_its_every(tmp_path):
                           grpo.GRPOHooks(distill=grpo.DistillHook(distill, every=2)))
     assert len(calls) == 2 and all(n > 0 for n in calls)
     assert ["distill_chunks" in h for h in out["history"]] == [False, True, False, True]
+
+
+def test_the_success_buffer_keeps_the_newest_chunks_of_every_add_and_round_trips():
+    from wmrl.rl.distill import SuccessBuffer
+
+    alive = torch.ones(2, 3, dtype=torch.bool)
+    buf = SuccessBuffer(capacity=5)
+    assert buf.data() is None and len(buf) == 0
+    assert buf.add([_rollout([True, False], alive, [0, 0])]) == 3        # slot 0: chunks 0, 1, 2
+    assert buf.add([_rollout([False, True], alive, [0, 0], offset=0.5)]) == 3  # slot 1: 100.5, 101.5, 102.5
+    assert buf.add([_rollout([False, False], alive, [0, 0])]) == 0
+    _, a = buf.data()
+    assert len(buf) == 5 and buf.added == 6
+    assert a[:, 0, 0].tolist() == [1.0, 2.0, 100.5, 101.5, 102.5]       # the oldest chunk dropped
+    t, meta = buf.state_tensors()
+    back = SuccessBuffer(capacity=5)
+    back.load_state_tensors(t, meta)
+    o2, a2 = back.data()
+    o1, _ = buf.data()
+    assert torch.equal(a2, a) and torch.equal(o2.proprio, o1.proprio) and o2.task == o1.task
+    assert all(torch.equal(o2.images[k], o1.images[k]) for k in o1.images) and back.added == 6
+    gated = SuccessBuffer(capacity=10, gate=lambda r: torch.tensor([False, True]))
+    assert gated.add([_rollout([True, True], alive, [0, 0])]) == 3
+    with pytest.raises(ValueError, match="capacity"):
+        SuccessBuffer(capacity=0)
+    wrong = Rollout([obs(b=2)] * 3, [PolicySample(torch.zeros(2, 4, 5), torch.zeros(2))] * 3, torch.zeros(2, 3),
+                    alive, torch.tensor([True, True]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="shaped"):
+        buf.add([wrong])
+    meta_bad = dict(meta, task=meta["task"][:-1])
+    with pytest.raises(ValueError, match="damaged"):
+        SuccessBuffer(5).load_state_tensors(t, meta_bad)
+
+
+def test_the_loop_fills_the_buffer_every_iteration_and_a_resumed_run_distils_the_same_data(tmp_path):
+    from wmrl.rl.distill import SuccessBuffer
+
+    def run(out, iterations, seen):
+        _, setup = toy_grpo_setup()
+        setup.env.tol = 0.45          # some rollouts reach their goal
+        buf = SuccessBuffer(capacity=1000)
+
+        def distill(policy, rollouts, generator):
+            _, a = buf.data() if buf.data() is not None else (None, torch.zeros(0))
+            seen.append(a.clone())
+            return {"distill_chunks": float(a.shape[0])}
+
+        return grpo.train_grpo(setup, grpo.LoopConfig(iterations, out, seed=0, progress=False),
+                               grpo.GRPOHooks(distill=grpo.DistillHook(distill, every=2, buffer=buf))), buf
+
+    full, stopped, resumed = [], [], []
+    out, buf = run(tmp_path / "a", 4, full)
+    hist = out["history"]
+    assert all("distill_buffer_added" in h for h in hist)
+    assert [h["distill_buffer_chunks"] for h in hist] == list(
+        torch.cumsum(torch.tensor([h["distill_buffer_added"] for h in hist]), 0).tolist())
+    assert sum(h["distill_buffer_added"] for h in hist) > 0 and len(full) == 2
+    assert full[-1].shape[0] == len(buf) == hist[-1]["distill_buffer_chunks"]   # every iteration's successes, not the last one's
+    run(tmp_path / "b", 3, stopped)
+    out_b, _ = run(tmp_path / "b", 4, resumed)        # resumes after iteration 3, distils at 4
+    assert len(resumed) == 1 and torch.equal(resumed[0], full[-1])
+    assert out_b["history"][-1]["distill_buffer_chunks"] == hist[-1]["distill_buffer_chunks"]

@@ -11,7 +11,10 @@ would teach the flow a failure.
 
 :func:`gated_success_chunks` selects the data, :class:`Distiller` runs a few steps of the flow's own
 BC loss (``policy.loss(batch, generator)``, e.g. ``FlowVLAPolicy.loss``) on it; the loop's
-``DistillHook`` (:mod:`wmrl.rl.loop`) calls it every ``every`` iterations on that iteration's rollouts.
+``DistillHook`` (:mod:`wmrl.rl.loop`) calls it every ``every`` iterations on that iteration's rollouts,
+or, with a :class:`SuccessBuffer`, on the gated successes of every iteration so far (the newest
+``capacity`` chunks): iterated filtered BC on everything verified, as in expert iteration / RFT
+(Anthony et al. 2017; Zelikman et al. 2022, STaR) rather than on one iteration's few successes.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from wmrl.kernel.types import Obs, Rollout
 
-__all__ = ["Distiller", "gated_success_chunks"]
+__all__ = ["Distiller", "SuccessBuffer", "gated_success_chunks"]
 
 
 def gated_success_chunks(rollouts: Sequence[Rollout], gate: Callable[[Rollout], torch.Tensor] | None = None
@@ -48,6 +51,89 @@ def gated_success_chunks(rollouts: Sequence[Rollout], gate: Callable[[Rollout], 
     return Obs.cat(obs_parts), torch.cat(act_parts)
 
 
+class SuccessBuffer:
+    """The gated successes of every iteration so far, newest ``capacity`` chunks kept (FIFO).
+
+    ``add(rollouts)`` appends :func:`gated_success_chunks` of them; ``data()`` is ``(Obs, float32
+    (M, H, D_a))`` or ``None`` while empty. Saved and restored with the GRPO checkpoints
+    (:meth:`state_tensors` / :meth:`load_state_tensors`), so a resumed run distils the same data.
+
+    Args:
+        capacity: chunks kept (>= 1); gate: ``rollout -> bool (B,)``, applied when adding.
+
+    Raises:
+        ValueError: ``capacity < 1``; chunks whose cameras, proprio or action shape differ from those
+            already held; a checkpoint whose buffer tensors disagree with its task list.
+    """
+
+    PREFIX = "distill_buffer/"
+
+    def __init__(self, capacity: int = 5000, gate: Callable[[Rollout], torch.Tensor] | None = None):
+        if int(capacity) < 1:
+            raise ValueError(f"SuccessBuffer capacity must be >= 1 chunk, got {capacity}")
+        self.capacity, self.gate = int(capacity), gate
+        self.obs: Obs | None = None
+        self.actions: torch.Tensor | None = None
+        self.added = 0
+
+    def __len__(self) -> int:
+        return 0 if self.actions is None else int(self.actions.shape[0])
+
+    def add(self, rollouts: Sequence[Rollout]) -> int:
+        """Append the gated successes of ``rollouts``; returns how many chunks were added."""
+        data = gated_success_chunks(rollouts, self.gate)
+        if data is None:
+            return 0
+        obs, actions = data
+        if self.obs is not None and self.actions is not None:
+            if set(obs.images) != set(self.obs.images) or obs.proprio.shape[1:] != self.obs.proprio.shape[1:] \
+                    or actions.shape[1:] != self.actions.shape[1:] \
+                    or any(obs.images[k].shape[1:] != self.obs.images[k].shape[1:] for k in obs.images):
+                raise ValueError("SuccessBuffer: new chunks have cameras / proprio / actions shaped "
+                                 f"{ {k: tuple(v.shape[1:]) for k, v in obs.images.items()} } / {tuple(obs.proprio.shape[1:])} / "
+                                 f"{tuple(actions.shape[1:])}, the buffer holds "
+                                 f"{ {k: tuple(v.shape[1:]) for k, v in self.obs.images.items()} } / "
+                                 f"{tuple(self.obs.proprio.shape[1:])} / {tuple(self.actions.shape[1:])}")
+            obs, actions = Obs.cat([self.obs, obs]), torch.cat([self.actions, actions])
+        keep = slice(max(0, actions.shape[0] - self.capacity), None)
+        self.obs, self.actions = obs.index(keep), actions[keep].contiguous()
+        self.added += int(data[1].shape[0])
+        return int(data[1].shape[0])
+
+    def data(self) -> tuple[Obs, torch.Tensor] | None:
+        return None if self.obs is None or self.actions is None else (self.obs, self.actions)
+
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """``(tensors, meta)``: ``distill_buffer/images/<camera>``, ``.../proprio``, ``.../actions``;
+        meta has the task strings and the count of chunks ever added."""
+        meta: dict = {"capacity": self.capacity, "added": self.added, "task": []}
+        if self.obs is None or self.actions is None:
+            return {}, meta
+        t = {f"{self.PREFIX}images/{k}": v.contiguous() for k, v in self.obs.images.items()}
+        t[f"{self.PREFIX}proprio"] = self.obs.proprio.contiguous()
+        t[f"{self.PREFIX}actions"] = self.actions
+        meta["task"] = list(self.obs.task)
+        return t, meta
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Inverse of :meth:`state_tensors`."""
+        self.added = int(meta.get("added", 0))
+        tasks = list(meta.get("task", []))
+        if not tasks:
+            self.obs = self.actions = None
+            return
+        p = self.PREFIX
+        images = {k[len(p + "images/"):]: v for k, v in tensors.items() if k.startswith(p + "images/")}
+        obs = Obs(images, tensors[p + "proprio"], tasks)
+        actions = tensors[p + "actions"]
+        if actions.shape[0] != len(tasks):
+            raise ValueError(f"the checkpoint's distillation buffer has {actions.shape[0]} chunks but {len(tasks)} "
+                             "task strings: it is damaged; start a new run directory")
+        obs.validate()
+        keep = slice(max(0, len(tasks) - self.capacity), None)
+        self.obs, self.actions = obs.index(keep), actions[keep]
+
+
 class Distiller:
     """Filtered BC of gated successes into the flow (``policy.base`` of a steered policy, else the
     policy itself), with its own AdamW (fresh at every call, so nothing but the weights carries over).
@@ -55,9 +141,12 @@ class Distiller:
     Args:
         steps: gradient steps per call; batch_size: chunks per step (drawn with replacement);
         lr: AdamW's learning rate; max_grad_norm: clipping;
-        gate: ``rollout -> bool (B,)`` (see :func:`gated_success_chunks`).
+        gate: ``rollout -> bool (B,)`` (see :func:`gated_success_chunks`);
+        buffer: a :class:`SuccessBuffer`: the flow is trained on its contents and ``rollouts`` is not
+            read (the caller adds to it: the loop's ``DistillHook`` does, every iteration); ``None``:
+            on the gated successes of ``rollouts`` alone.
 
-    Calling it returns ``distill_chunks`` (how many chunks passed), ``distill_loss_first`` /
+    Calling it returns ``distill_chunks`` (how many chunks it trained on), ``distill_loss_first`` /
     ``distill_loss_last`` (``0`` chunks: only ``distill_chunks``).
 
     Raises:
@@ -65,12 +154,12 @@ class Distiller:
     """
 
     def __init__(self, steps: int = 50, batch_size: int = 64, lr: float = 1e-4, max_grad_norm: float = 1.0,
-                 gate: Callable[[Rollout], torch.Tensor] | None = None):
+                 gate: Callable[[Rollout], torch.Tensor] | None = None, buffer: SuccessBuffer | None = None):
         self.steps, self.batch_size, self.lr, self.max_grad_norm = int(steps), int(batch_size), float(lr), float(max_grad_norm)
-        self.gate = gate
+        self.gate, self.buffer = gate, buffer
 
     def __call__(self, policy, rollouts: Sequence[Rollout], generator: torch.Generator | None = None) -> dict:
-        data = gated_success_chunks(rollouts, self.gate)
+        data = self.buffer.data() if self.buffer is not None else gated_success_chunks(rollouts, self.gate)
         if data is None:
             return {"distill_chunks": 0.0}
         obs, actions = data

@@ -35,6 +35,7 @@ from wmrl.kernel.interfaces import ChunkEnv, Policy
 from wmrl.kernel.rng import capture_rng, restore_rng
 from wmrl.kernel.types import Rollout, Start
 from wmrl.rl.debias import OnlineDebiaser, inverse_variance_rewards, tasks_for
+from wmrl.rl.distill import SuccessBuffer
 from wmrl.rl.losses import describe, group_advantages
 from wmrl.rl.rollout import (
     batched_starts,
@@ -239,6 +240,10 @@ class DistillHook:
 
     fn: Callable[..., dict]
     every: int = 0
+    buffer: SuccessBuffer | None = None
+    """``None``: ``fn`` sees the due iteration's rollouts only. A :class:`wmrl.rl.distill.SuccessBuffer`
+    (the one ``fn`` trains on): every iteration's rollouts are added to it (``distill_buffer_added`` /
+    ``distill_buffer_chunks`` in the history), and it is saved and restored with the checkpoints."""
 
 
 @dataclass
@@ -311,6 +316,12 @@ class _Run:
                 raise ValueError(f"{last} was written without a value head (advantage=group); resume it with "
                                  "grpo.advantage=group or start a new run directory")
             self.s.value.load_state_tensors(extra, meta["value"])
+        buf = self.hooks.distill.buffer if self.hooks.distill is not None else None
+        if buf is not None:
+            if "distill_buffer" not in meta:
+                raise ValueError(f"{last} was written without a distillation buffer (distill.buffer=0); resume it "
+                                 "with distill.buffer=0 or start a new run directory")
+            buf.load_state_tensors(extra, meta["distill_buffer"])
         self.resumed_from = str(last)
 
     def evaluate(self, n: int) -> None:
@@ -335,6 +346,10 @@ class _Run:
             vt, vm = self.s.value.state_tensors()
             tensors.update(vt)
             meta["value"] = vm
+        buf = self.hooks.distill.buffer if self.hooks.distill is not None else None
+        if buf is not None:
+            bt, meta["distill_buffer"] = buf.state_tensors()
+            tensors.update(bt)
         save_checkpoint(self.s.policy, self.last, self.s.policy_config, extra_tensors=tensors, meta=meta)  # type: ignore[arg-type]
         if _due(self.hooks.checkpoint.every, n):
             save_checkpoint(self.s.policy, self.ck_dir / f"step_{n}", self.s.policy_config)  # type: ignore[arg-type]
@@ -352,6 +367,9 @@ class _Run:
                              debias_starts=deb.starts if deb is not None else 0, replay_envs=replay_envs,
                              value=s.value)
         st = {"iteration": it + 1, **res.stats}
+        if h.distill is not None and h.distill.buffer is not None:
+            st["distill_buffer_added"] = float(h.distill.buffer.add(res.rollouts))
+            st["distill_buffer_chunks"] = float(len(h.distill.buffer))
         if h.distill is not None and _due(h.distill.every, it + 1):
             st.update(h.distill.fn(s.policy, res.rollouts, self.gen))
         st["wall_s"] = time.time() - t0

@@ -243,14 +243,15 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     hooks.refresh = loop.RefreshHook(refresher, int(cfg.refresh.every)) if refresher is not None else None
     dcfg = cfg.get("distill") or {}
     if int(dcfg.get("every", 0)) > 0:
-        from wmrl.rl.distill import Distiller
+        from wmrl.rl.distill import Distiller, SuccessBuffer
 
         if str(cfg.env.get("name", "")) == "imagination":
             raise ValueError("distill.every > 0 in imagination would teach the flow imagined successes that may not "
                              "replay; it needs the world model's uncertainty gate (issue #20), which is not built yet: "
                              "distill with env=sim, or set distill.every=0")
+        buffer = SuccessBuffer(int(dcfg.buffer)) if int(dcfg.get("buffer", 0) or 0) > 0 else None
         hooks.distill = loop.DistillHook(Distiller(steps=int(dcfg.steps), batch_size=int(dcfg.batch_size),
-                                                   lr=float(dcfg.lr)), int(dcfg.every))
+                                                   lr=float(dcfg.lr), buffer=buffer), int(dcfg.every), buffer=buffer)
     for name, e in [("env", env)] + [(f"replay{i}", e) for i, e in enumerate(replay_envs)]:
         if isinstance(e, RandomStreams):
             streams.update({f"{name}.{k}": g for k, g in e.rng_streams().items()})

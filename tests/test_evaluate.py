@@ -255,3 +255,22 @@ def test_suite_config_matches_library_defaults():
     assert s.image_size == Suite().image_size and s.cameras == Suite().cameras and s.task_names == Suite().task_names
     v = instantiate(_compose("evaluate", ["suite=visual"]).suite)
     assert v.render.flat_robot is False
+
+
+def test_a_video_that_cannot_be_written_loses_no_episode(tiny_suite, tmp_path, monkeypatch, caplog):
+    import wmrl.evaluation as ev
+
+    def no_fork(path, frames, fps):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"partial")
+        raise OSError(12, "Cannot allocate memory")
+
+    good = ev.evaluate_policy(tiny_suite.make_expert(noise=0.6), tiny_suite, episodes_per_task=2, batch_size=2,
+                              seed=3, out_dir=tmp_path / "a", videos_per_task=0, progress=False)
+    monkeypatch.setattr(ev, "_write_video", no_fork)
+    with caplog.at_level("ERROR", logger="wmrl.evaluation"):
+        bad = ev.evaluate_policy(tiny_suite.make_expert(noise=0.6), tiny_suite, episodes_per_task=2, batch_size=2,
+                                 seed=3, out_dir=tmp_path / "b", videos_per_task=1, progress=False)
+    assert bad["episodes"] == good["episodes"]
+    assert "could not write the video" in caplog.text
+    assert not list((tmp_path / "b" / "videos").glob("*.mp4"))     # no partial file left behind

@@ -170,7 +170,12 @@ def _run_queue(actor, suite, queue: list[tuple[str, int]], B: int, seed: int, ou
                 frames = env.take_frames(b)
                 if frames:
                     name = f"{t}_ep{j:03d}_{'success' if res.success[b] else 'failure'}.mp4"
-                    _write_video(out / "videos" / name, frames, fps)
+                    try:
+                        _write_video(out / "videos" / name, frames, fps)
+                    except OSError as e:  # e.g. ENOMEM forking ffmpeg: the episode's result is kept, the video is not
+                        log.error("could not write the video %s (%s: %s); the episode's result is kept, the "
+                                  "evaluation goes on without it", out / "videos" / name, type(e).__name__, e)
+                        (out / "videos" / name).unlink(missing_ok=True)
             finished.append(b)
             bar.update(1)
         obs = res.obs

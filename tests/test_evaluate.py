@@ -158,8 +158,8 @@ def test_wmrl_evaluate_with_worker_processes_equals_one_process(tmp_path):
 def test_instruction_override_replaces_the_task_text(tmp_path):
     from wmrl.kernel.types import Obs, PolicySample
     from wmrl.run import evaluate
-    from wmrl.run.common import RunContext
     from wmrl.run.builders import InstructionOverride
+    from wmrl.run.common import RunContext
 
     seen = []
 

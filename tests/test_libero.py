@@ -276,9 +276,9 @@ def test_libero_env_matches_lerobot_on_one_task(tmp_path):
 @pytest.mark.slow
 def test_killed_libero_worker_fails_its_episode_and_the_evaluation_goes_on(tmp_path):
     """``wmrl evaluate suite=libero_object`` with one worker on 3 episodes (30-step limit): the
-    worker is killed (SIGKILL) once it recorded episode 0; episode 1 counts as failed
-    (``worker_died``) with one ERROR line, episode 2 runs on a new worker, and the merged store
-    keeps episodes 0 and 2 (about 2-4 minutes here)."""
+    worker is killed (SIGKILL) once it recorded episode 0, during episode 1 or (on a fast machine) 2;
+    that episode counts as failed (``worker_died``) with one ERROR line, the episodes after it run on
+    a new worker, and the merged store keeps every other episode (about 2-4 minutes here)."""
     import json
     import re
     import signal
@@ -303,20 +303,23 @@ def test_killed_libero_worker_fails_its_episode_and_the_evaluation_goes_on(tmp_p
         except Exception:  # noqa: BLE001 - not created yet
             continue
     assert proc.poll() is None, proc.communicate()[0][-4000:]
-    time.sleep(8)  # episode 1 under way (reset 4-5 s, then steps)
+    time.sleep(2)  # episode 1 under way (its reset takes 4-5 s); a fast machine may be in episode 2
     pid = int(re.search(r"worker 0\.0 started \(pid (\d+)\)", (out / "evaluate.log").read_text()).group(1))
     os.kill(pid, signal.SIGKILL)
     text, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, text[-4000:]
-    assert re.search(r"ERROR.*LIBERO env worker 0\.0 \(pid \d+\) exited with status -9 during episode 1 of its 3 "
-                     r"\(task pick_up_the_alphabet_soup_and_place_it_in_the_basket, init 1\): that episode counts as "
-                     r"failed \(worker_died\)", (out / "evaluate.log").read_text())
+    m = re.search(r"ERROR.*LIBERO env worker 0\.0 \(pid \d+\) exited with status -9 during episode ([12]) of its 3 "
+                  r"\(task pick_up_the_alphabet_soup_and_place_it_in_the_basket, init ([12])\): that episode counts as "
+                  r"failed \(worker_died\)", (out / "evaluate.log").read_text())
+    assert m is not None and m.group(1) == m.group(2), (out / "evaluate.log").read_text()[-2000:]
+    k = int(m.group(1))
     rep = json.loads((out / "report.json").read_text())
     labels = [(r["init_index"], r["failure_label"], r["worker"]) for r in rep["episodes"]]
-    assert labels[1] == (1, "worker_died", "0.0") and labels[2][2] == "0.1" and labels[0][2] == "0.0", labels
+    assert labels[k] == (k, "worker_died", "0.0") and all(w == "0.0" for _, _, w in labels[:k]), labels
+    assert all(w == "0.1" for _, _, w in labels[k + 1:]), labels
     assert rep["episodes_worker_died"] == 1 and len(rep["worker_restarts"]) == 1
     merged = EpisodeStore.open(out / "episodes", mode="r")
-    assert [merged.episode(i).info["init_index"] for i in range(len(merged))] == [0, 2]
+    assert [merged.episode(i).info["init_index"] for i in range(len(merged))] == [i for i in range(3) if i != k]
 
 
 @needs_libero_env

@@ -136,3 +136,16 @@ def test_the_loop_fills_the_buffer_every_iteration_and_a_resumed_run_distils_the
     out_b, _ = run(tmp_path / "b", 4, resumed)        # resumes after iteration 3, distils at 4
     assert len(resumed) == 1 and torch.equal(resumed[0], full[-1])
     assert out_b["history"][-1]["distill_buffer_chunks"] == hist[-1]["distill_buffer_chunks"]
+
+
+def test_balanced_draws_give_a_rare_task_as_many_chunks_as_a_common_one():
+    tasks = ["lift"] * 90 + ["stack"] * 10
+    g = torch.Generator().manual_seed(0)
+    uniform = Distiller(batch_size=4000).draw(tasks, g)
+    balanced = Distiller(batch_size=4000, balance_tasks=True).draw(tasks, g)
+    assert uniform.min() >= 0 and uniform.max() < 100 and balanced.min() >= 0 and balanced.max() < 100
+    assert abs(float((uniform >= 90).float().mean()) - 0.1) < 0.03     # stack: its share of the chunks
+    assert abs(float((balanced >= 90).float().mean()) - 0.5) < 0.03    # stack: half the batch
+    assert len(set(balanced[balanced >= 90].tolist())) == 10           # still every stack chunk
+    one = Distiller(batch_size=8, balance_tasks=True).draw(["lift"] * 5, g)
+    assert one.shape == (8,) and one.max() < 5

@@ -145,6 +145,9 @@ class Distiller:
         buffer: a :class:`SuccessBuffer`: the flow is trained on its contents and ``rollouts`` is not
             read (the caller adds to it: the loop's ``DistillHook`` does, every iteration); ``None``:
             on the gated successes of ``rollouts`` alone.
+        balance_tasks: draw every task present with equal probability (then a chunk uniformly within
+            it) instead of every chunk alike, so a task whose successes are rare (stacking beside two
+            lifts) is not forgotten; ``False``: uniform over chunks.
 
     Calling it returns ``distill_chunks`` (how many chunks it trained on), ``distill_loss_first`` /
     ``distill_loss_last`` (``0`` chunks: only ``distill_chunks``).
@@ -154,9 +157,22 @@ class Distiller:
     """
 
     def __init__(self, steps: int = 50, batch_size: int = 64, lr: float = 1e-4, max_grad_norm: float = 1.0,
-                 gate: Callable[[Rollout], torch.Tensor] | None = None, buffer: SuccessBuffer | None = None):
+                 gate: Callable[[Rollout], torch.Tensor] | None = None, buffer: SuccessBuffer | None = None,
+                 balance_tasks: bool = False):
         self.steps, self.batch_size, self.lr, self.max_grad_norm = int(steps), int(batch_size), float(lr), float(max_grad_norm)
-        self.gate, self.buffer = gate, buffer
+        self.gate, self.buffer, self.balance_tasks = gate, buffer, bool(balance_tasks)
+
+    def draw(self, tasks: Sequence[str], generator: torch.Generator | None = None) -> torch.Tensor:
+        """``int64 (batch_size,)`` indices into the ``M = len(tasks)`` chunks, with replacement:
+        uniform over chunks, or with ``balance_tasks`` weight ``1 / (chunks of its task)`` each."""
+        m = len(tasks)
+        if not self.balance_tasks:
+            return torch.randint(m, (self.batch_size,), generator=generator)
+        count: dict[str, int] = {}
+        for t in tasks:
+            count[t] = count.get(t, 0) + 1
+        w = torch.tensor([1.0 / count[t] for t in tasks], dtype=torch.float64)
+        return torch.multinomial(w, self.batch_size, replacement=True, generator=generator)
 
     def __call__(self, policy, rollouts: Sequence[Rollout], generator: torch.Generator | None = None) -> dict:
         data = self.buffer.data() if self.buffer is not None else gated_success_chunks(rollouts, self.gate)
@@ -173,11 +189,12 @@ class Distiller:
             p.requires_grad_(True)
         opt = torch.optim.AdamW(params, lr=self.lr)
         m = actions.shape[0]
+        tasks = list(obs.task)
         losses = []
         flow.train()
         try:
             for _ in range(self.steps):
-                idx = torch.randint(m, (self.batch_size,), generator=generator)
+                idx = self.draw(tasks, generator)
                 o = obs.index(idx)
                 batch = {"images": o.images, "proprio": o.proprio, "actions": actions[idx], "instruction": list(o.task)}
                 loss, _ = flow.loss(batch, generator=generator)

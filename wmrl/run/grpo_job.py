@@ -251,7 +251,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
                              "distill with env=sim, or set distill.every=0")
         buffer = SuccessBuffer(int(dcfg.buffer)) if int(dcfg.get("buffer", 0) or 0) > 0 else None
         hooks.distill = loop.DistillHook(Distiller(steps=int(dcfg.steps), batch_size=int(dcfg.batch_size),
-                                                   lr=float(dcfg.lr), buffer=buffer), int(dcfg.every), buffer=buffer)
+                                                   lr=float(dcfg.lr), buffer=buffer,
+                                                   balance_tasks=bool(dcfg.get("balance_tasks", False))),
+                                         int(dcfg.every), buffer=buffer)
     for name, e in [("env", env)] + [(f"replay{i}", e) for i, e in enumerate(replay_envs)]:
         if isinstance(e, RandomStreams):
             streams.update({f"{name}.{k}": g for k, g in e.rng_streams().items()})

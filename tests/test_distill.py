@@ -141,11 +141,14 @@ def test_the_loop_fills_the_buffer_every_iteration_and_a_resumed_run_distils_the
 def test_balanced_draws_give_a_rare_task_as_many_chunks_as_a_common_one():
     tasks = ["lift"] * 90 + ["stack"] * 10
     g = torch.Generator().manual_seed(0)
-    uniform = Distiller(batch_size=4000).draw(tasks, g)
-    balanced = Distiller(batch_size=4000, balance_tasks=True).draw(tasks, g)
+    d_u, d_b = Distiller(batch_size=4000), Distiller(batch_size=4000, balance_tasks=True)
+    assert d_u.task_weights(tasks) is None
+    uniform = d_u.draw(100, d_u.task_weights(tasks), g)
+    balanced = d_b.draw(100, d_b.task_weights(tasks), g)
     assert uniform.min() >= 0 and uniform.max() < 100 and balanced.min() >= 0 and balanced.max() < 100
     assert abs(float((uniform >= 90).float().mean()) - 0.1) < 0.03     # stack: its share of the chunks
     assert abs(float((balanced >= 90).float().mean()) - 0.5) < 0.03    # stack: half the batch
     assert len(set(balanced[balanced >= 90].tolist())) == 10           # still every stack chunk
-    one = Distiller(batch_size=8, balance_tasks=True).draw(["lift"] * 5, g)
+    d1 = Distiller(batch_size=8, balance_tasks=True)
+    one = d1.draw(5, d1.task_weights(["lift"] * 5), g)
     assert one.shape == (8,) and one.max() < 5

@@ -19,6 +19,7 @@ or, with a :class:`SuccessBuffer`, on the gated successes of every iteration so 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -162,17 +163,20 @@ class Distiller:
         self.steps, self.batch_size, self.lr, self.max_grad_norm = int(steps), int(batch_size), float(lr), float(max_grad_norm)
         self.gate, self.buffer, self.balance_tasks = gate, buffer, bool(balance_tasks)
 
-    def draw(self, tasks: Sequence[str], generator: torch.Generator | None = None) -> torch.Tensor:
-        """``int64 (batch_size,)`` indices into the ``M = len(tasks)`` chunks, with replacement:
-        uniform over chunks, or with ``balance_tasks`` weight ``1 / (chunks of its task)`` each."""
-        m = len(tasks)
+    def task_weights(self, tasks: Sequence[str]) -> torch.Tensor | None:
+        """``float64 (M,)`` draw weights of the ``M = len(tasks)`` chunks, ``1 / (chunks of its
+        task)`` each, with ``balance_tasks``; ``None`` (uniform over chunks) without."""
         if not self.balance_tasks:
+            return None
+        count = Counter(tasks)
+        return torch.tensor([1.0 / count[t] for t in tasks], dtype=torch.float64)
+
+    def draw(self, m: int, weights: torch.Tensor | None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``int64 (batch_size,)`` indices into ``m`` chunks, with replacement: uniform, or by
+        ``weights`` (:meth:`task_weights`)."""
+        if weights is None:
             return torch.randint(m, (self.batch_size,), generator=generator)
-        count: dict[str, int] = {}
-        for t in tasks:
-            count[t] = count.get(t, 0) + 1
-        w = torch.tensor([1.0 / count[t] for t in tasks], dtype=torch.float64)
-        return torch.multinomial(w, self.batch_size, replacement=True, generator=generator)
+        return torch.multinomial(weights, self.batch_size, replacement=True, generator=generator)
 
     def __call__(self, policy, rollouts: Sequence[Rollout], generator: torch.Generator | None = None) -> dict:
         data = self.buffer.data() if self.buffer is not None else gated_success_chunks(rollouts, self.gate)
@@ -189,12 +193,12 @@ class Distiller:
             p.requires_grad_(True)
         opt = torch.optim.AdamW(params, lr=self.lr)
         m = actions.shape[0]
-        tasks = list(obs.task)
+        weights = self.task_weights(list(obs.task))
         losses = []
         flow.train()
         try:
             for _ in range(self.steps):
-                idx = self.draw(tasks, generator)
+                idx = self.draw(m, weights, generator)
                 o = obs.index(idx)
                 batch = {"images": o.images, "proprio": o.proprio, "actions": actions[idx], "instruction": list(o.task)}
                 loss, _ = flow.loss(batch, generator=generator)

@@ -123,8 +123,12 @@ def test_world_model_batches_split_each_sub_batch_and_the_mask_on_its_batch_dime
 
     path = {"proprio": torch.arange(6).float().view(6, 1), "actions": torch.arange(6).float().view(6, 1),
             "mask": torch.arange(30).float().view(5, 6)}
-    w, p, (gw, anchor) = WorldModelTask.shard(None, (win(4), path, (win(8), torch.arange(8))), 1, 2)
+    cond = {"anchor_u8": torch.arange(4).view(4, 1), "anchor_proprio": torch.arange(4).float().view(4, 1), "frames": None}
+    w, p, (gw, anchor, anchor_p), cond = WorldModelTask.shard(
+        None, (win(4), path, (win(8), torch.arange(8), torch.arange(8).float().view(8, 1)), cond), 1, 2)
     assert w.frames.view(-1).tolist() == [2, 3] and w.episode.tolist() == [2, 3]
+    assert cond["anchor_u8"].view(-1).tolist() == [2, 3] and cond["anchor_proprio"].view(-1).tolist() == [2, 3]
+    assert anchor_p.view(-1).tolist() == [4, 5, 6, 7]
     assert p["proprio"].view(-1).tolist() == [3, 4, 5] and p["mask"].shape == (5, 3)
     assert torch.equal(p["mask"], path["mask"][:, 3:])
     assert gw.step.tolist() == [4, 5, 6, 7] and anchor.tolist() == [4, 5, 6, 7]

@@ -26,6 +26,8 @@ class WMState:
             dynamics model estimates it from the fingers).
         anchor: ``float32 (B, 3 * n_cam, Hi, Wi)`` in [-1, 1], the real frames the rollout started
             from (``init``'s context; WoVR's first-frame conditioning); ``None``: ``frames``.
+        anchor_proprio: ``float32 (B, D_s)``, the proprio of the anchor frames (the pose a hand camera
+            saw them from, ``worldmodels.reproject``); ``None``: ``proprio``.
     """
 
     frames: torch.Tensor
@@ -35,6 +37,7 @@ class WMState:
     uncertainty: torch.Tensor | None = None
     gripper_command: torch.Tensor | None = None
     anchor: torch.Tensor | None = None
+    anchor_proprio: torch.Tensor | None = None
 
     def index(self, idx: torch.Tensor) -> "WMState":
         il = idx.nonzero().flatten() if idx.dtype == torch.bool else idx
@@ -42,7 +45,8 @@ class WMState:
                        None if self.prev_proprio is None else self.prev_proprio[il],
                        None if self.uncertainty is None else self.uncertainty[il],
                        None if self.gripper_command is None else self.gripper_command[il],
-                       None if self.anchor is None else self.anchor[il])
+                       None if self.anchor is None else self.anchor[il],
+                       None if self.anchor_proprio is None else self.anchor_proprio[il])
 
     def merge(self, slots: torch.Tensor, other: "WMState") -> "WMState":
         """A new state: this one, with the slots ``slots`` (``bool (B,)``) taken from ``other`` (same
@@ -68,7 +72,12 @@ class WMState:
         if self.anchor is not None or other.anchor is not None:
             anchor = pick(self.frames if self.anchor is None else self.anchor,
                           other.frames if other.anchor is None else other.anchor)
-        return WMState(pick(self.frames, other.frames), pick(self.proprio, other.proprio), task, prev, unc, cmd, anchor)
+        anchor_p = None
+        if self.anchor_proprio is not None or other.anchor_proprio is not None:
+            anchor_p = pick(self.proprio if self.anchor_proprio is None else self.anchor_proprio,
+                            other.proprio if other.anchor_proprio is None else other.anchor_proprio)
+        return WMState(pick(self.frames, other.frames), pick(self.proprio, other.proprio), task, prev, unc, cmd, anchor,
+                       anchor_p)
 
     def assign(self, idx: torch.Tensor, sub: "WMState") -> None:
         """Write ``sub`` (the state of the slots ``idx``, a bool mask or indices) into these slots."""
@@ -85,6 +94,10 @@ class WMState:
             if self.anchor is None:
                 self.anchor = self.frames.clone()
             self.anchor[idx] = sub.frames if sub.anchor is None else sub.anchor
+        if sub.anchor_proprio is not None or self.anchor_proprio is not None:
+            if self.anchor_proprio is None:
+                self.anchor_proprio = self.proprio.clone()
+            self.anchor_proprio[idx] = sub.proprio if sub.anchor_proprio is None else sub.anchor_proprio
         if self.gripper_command is not None:
             if sub.gripper_command is None:
                 self.gripper_command = None     # unknown for some slots: estimated again from the fingers

@@ -81,13 +81,17 @@ class WorldModelTask(_WindowTask):
 
     def __init__(self, model, config, data, heldout, rng, gen, batch_size: int, p_deterministic: float,
                  p_pure_noise: float, video_chunks: int, out_dir: Path, fit_stats: bool, dynamics: dict | None = None,
-                 grasp: dict | None = None):
+                 grasp: dict | None = None, frames: dict | None = None):
         super().__init__(model, config, rng)
         self.data, self.heldout, self.gen, self.batch_size = data, heldout, gen, batch_size
         self.p_det, self.p_noise, self.video_chunks, self.out_dir = p_deterministic, p_pure_noise, video_chunks, out_dir
         self.fit_stats = fit_stats
         self.dyn = None if model.dynamics is None else {**DYNAMICS_TRAIN, **(dynamics or {})}
         self.grasp = None if model.grasp is None else {**GRASP_TRAIN, **(grasp or {})}
+        self.frames = {**FRAMES_TRAIN, **(frames or {})}
+        unknown = set(frames or {}) - set(FRAMES_TRAIN)
+        if unknown:
+            raise ValueError(f"unknown world-model frame training options {sorted(unknown)}; known: {sorted(FRAMES_TRAIN)}")
         self._switches = None
 
     def fresh_start(self):
@@ -97,14 +101,55 @@ class WorldModelTask(_WindowTask):
     def batches(self, start, stop):
         H = self.module.chunk_size
         for _ in range(start, stop):
-            w = self.data.sample_windows(self.batch_size, H, self.rng)
+            eps, ts = self.data.window_starts(H)
+            pick = self.rng.integers(0, len(eps), size=self.batch_size)
+            ep, t = eps[pick], ts[pick]
+            w = self.data.windows(ep, t, H)
+            cond = self.frame_conditioning(ep, t) if self.module.anchor_frames else None
             if self.dyn is None:
-                yield w, None, None
+                yield w, None, None, cond
                 continue
             path = self.data.sample_paths(int(self.dyn["batch_size"]), H * int(self.dyn["unroll_chunks"]), self.rng)
             k = self.module.dynamics.k
             path["mask"] = (torch.rand(k, int(self.dyn["batch_size"]), generator=self.gen) < float(self.dyn["bootstrap"])).float()
-            yield w, path, (None if self.grasp is None else self.grasp_windows())
+            yield w, path, (None if self.grasp is None else self.grasp_windows()), cond
+
+    def frame_conditioning(self, ep: np.ndarray, t: np.ndarray) -> dict:
+        """For a model with ``anchor``: what each window's frames are conditioned on, as inside an
+        imagined rollout (:data:`FRAMES_TRAIN`). The anchor is a real frame of the same episode at or
+        before the window (its first step with probability ``anchor_first``, else up to
+        ``anchor_back_chunks`` chunks back). For an ``own_fraction`` of the windows that start a chunk
+        or more into their episode, the start frames and proprio are the model's own, imagined
+        1..``own_chunks`` chunks from the real state that much earlier (which is then their anchor),
+        so the model learns to restore from the anchor what its own frames have lost (exposure bias:
+        trained only on real starts, the residual model blurs further every chunk). Returns
+        ``{"anchor_u8", "anchor_proprio", "frames" (float32 in [-1, 1] or None), "proprio" (or None)}``."""
+        H, d, c = self.module.chunk_size, self.data, self.frames
+        n = len(ep)
+        back = np.minimum(t, int(c["anchor_back_chunks"]) * H)
+        ta = t - (self.rng.random(n) * (back + 1)).astype(np.int64)
+        ta = np.where(self.rng.random(n) < float(c["anchor_first"]), 0, ta)
+        own = (self.rng.random(n) < float(c["own_fraction"])) & (t >= H)
+        frames = proprio = None
+        if own.any():
+            most = np.minimum(t // H, int(c["own_chunks"]))
+            k = np.where(own, 1 + (self.rng.random(n) * most).astype(np.int64), 0)
+            sel = np.flatnonzero(k > 0)
+            ta[sel] = t[sel] - k[sel] * H
+            m = self.module
+            was = m.training
+            m.eval()
+            try:
+                st = imagine_from_real(m, d, ep[sel], t[sel], k[sel])
+            finally:
+                m.train(was)
+            frames = to_unit(torch.from_numpy(d.images[d.offsets[ep] + t]))
+            proprio = torch.from_numpy(d.proprio[d.offsets[ep] + t]).float()
+            frames[torch.from_numpy(sel)] = st.frames.float().cpu()
+            proprio[torch.from_numpy(sel)] = st.proprio.float().cpu()
+        g = d.offsets[ep] + ta
+        return {"anchor_u8": torch.from_numpy(d.images[g]), "anchor_proprio": torch.from_numpy(d.proprio[g]).float(),
+                "frames": frames, "proprio": proprio}
 
     def grasp_windows(self):
         """The finger-gap head's batch: a ``switch_fraction`` of windows in which the fingers move or
@@ -112,9 +157,10 @@ class WorldModelTask(_WindowTask):
         For an ``imagined_fraction`` of the windows (those after the first chunk of their episode) the
         start (frames and proprio) is where the model's own rollout of 1..``imagined_chunks`` chunks
         from the real state that much earlier puts it, as inside an imagined rollout (a head trained
-        on real frames only is misled by imagined ones: docs/measurements.md). Returns ``(windows, anchor frames)``: for an
-        anchor head, the frames at an earlier step of the same episode (its first with probability
-        ``anchor_first``, else up to ``anchor_back_chunks`` chunks back), else ``None``."""
+        on real frames only is misled by imagined ones: docs/measurements.md). Returns ``(windows, anchor frames,
+        anchor proprio)``: for an anchor head, the frames and proprio at an earlier step of the same episode
+        (its first with probability ``anchor_first``, else up to ``anchor_back_chunks`` chunks back; for an
+        imagined start, the real step its rollout began from), else ``None``."""
         H, n = self.module.chunk_size, int(self.grasp["batch_size"])
         d = self.data
         if self._switches is None:
@@ -138,14 +184,18 @@ class WorldModelTask(_WindowTask):
             w.frames, w.proprio, w.prev_proprio = w.frames.clone(), w.proprio.clone(), w.prev_proprio.clone()
             w.frames[sel], w.proprio[sel], w.prev_proprio[sel] = self._imagined_start(ep[sel], t[sel], k[sel])
         w.frames = _augment(w.frames, self.rng, shift=int(self.grasp["shift_px"]), p_blur=float(self.grasp["p_blur"]))
-        anchor = None
+        anchor = anchor_p = None
         if self.module.grasp_anchor_camera is not None:
             back = np.minimum(t, int(self.grasp["anchor_back_chunks"]) * H)
             ta = t - (self.rng.random(n) * (back + 1)).astype(np.int64)
             ta = np.where(self.rng.random(n) < float(self.grasp["anchor_first"]), 0, ta)
+            if imagined.any():   # an imagined start's anchor is the real frame its rollout began from
+                ta = np.where(imagined, t - k * H, ta)
+            reprojected = self.module.reproject is not None and self.module.grasp_anchor_camera == self.module.reproject_camera
             anchor = _augment(torch.from_numpy(d.images[d.offsets[ep] + ta]), self.rng,
-                              shift=int(self.grasp["shift_px"]), p_blur=0.0)
-        return w, anchor
+                              shift=0 if reprojected else int(self.grasp["shift_px"]), p_blur=0.0)
+            anchor_p = torch.from_numpy(d.proprio[d.offsets[ep] + ta]).float()
+        return w, anchor, anchor_p
 
     @torch.no_grad()
     def _imagined_start(self, ep: np.ndarray, t: np.ndarray, chunks: np.ndarray):
@@ -169,8 +219,10 @@ class WorldModelTask(_WindowTask):
         loss; the frame loss is an exact mean."""
         from wmrl.kernel.distributed import shard
 
-        w, path, gw = batch
+        w, path, gw, cond = batch
         w = shard(w, rank, world, "world-model window batch")
+        if cond is not None:
+            cond = shard({k: v for k, v in cond.items() if v is not None}, rank, world, "frame conditioning batch")
         if path is not None:
             mask = path.get("mask")
             path = shard({k: v for k, v in path.items() if k != "mask"}, rank, world, "dynamics path batch")
@@ -178,19 +230,23 @@ class WorldModelTask(_WindowTask):
                 path["mask"] = shard(mask.T.contiguous(), rank, world, "dynamics mask").T
         if gw is not None:
             gw = shard(gw, rank, world, "finger-gap batch")
-        return w, path, gw
+        return w, path, gw, cond
 
     def loss(self, batch):
-        w, path, gw = batch     # windows; the dynamics' proprio paths and the grasp head's windows, or None
-        out = self.module.loss(w.frames, w.proprio, w.actions, w.next_frames, w.next_proprio, generator=self.gen,
-                               p_deterministic=self.p_det, p_pure_noise=self.p_noise)
+        w, path, gw, cond = batch   # windows; the dynamics' proprio paths, the grasp head's windows, the anchors, or None
+        cond = cond or {}
+        proprio = w.proprio if cond.get("proprio") is None else cond["proprio"]
+        out = self.module.loss(w.frames, proprio, w.actions, w.next_frames, w.next_proprio, generator=self.gen,
+                               p_deterministic=self.p_det, p_pure_noise=self.p_noise, anchor_u8=cond.get("anchor_u8"),
+                               anchor_proprio=cond.get("anchor_proprio"), frames=cond.get("frames"))
         if path is not None:
             d_loss, d_metrics = self.module.dynamics_loss(path)
             out = {**out, "loss": out["loss"] + float(self.dyn["weight"]) * d_loss, "proprio": d_loss.detach(),
                    "dynamics_end_pos_err_cm": d_metrics["end_pos_err_cm"]}
         if gw is not None:
-            gw, anchor = gw
-            g_loss = self.module.grasp_loss(gw.frames, gw.proprio, gw.prev_proprio, gw.actions, gw.next_proprio, anchor)
+            gw, anchor, anchor_p = gw
+            g_loss = self.module.grasp_loss(gw.frames, gw.proprio, gw.prev_proprio, gw.actions, gw.next_proprio, anchor,
+                                            anchor_p)
             out = {**out, "loss": out["loss"] + float(self.grasp["weight"]) * g_loss, "grasp": g_loss.detach()}
         return out["loss"], out
 
@@ -224,6 +280,11 @@ class WorldModelTask(_WindowTask):
 #: the weight of its loss beside the frames' (its loss is in cm^2-like units, see ProprioDynamics.loss)
 DYNAMICS_TRAIN = {"batch_size": 64, "unroll_chunks": 4, "bootstrap": 0.8, "weight": 0.1}
 
+#: what a world model with ``anchor`` is conditioned on in training (:meth:`WorldModelTask.frame_conditioning`):
+#: the anchor's step (the episode's first with probability ``anchor_first``, else up to ``anchor_back_chunks``
+#: chunks back) and the fraction of windows starting from the model's own frames 1..``own_chunks`` chunks deep
+FRAMES_TRAIN = {"anchor_first": 0.5, "anchor_back_chunks": 12, "own_fraction": 0.25, "own_chunks": 3}
+
 #: training of a world model's finger-gap head (``grasp`` of :func:`train_world_model`): windows per
 #: step, the fraction of them in which the fingers move more than ``moving_m`` or the commanded
 #: gripper switches, the fraction whose start frame is the model's own prediction, the anchor's
@@ -241,7 +302,7 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
                       tensorboard: bool = True, progress: bool = True, seed: int = 0,
                       p_deterministic: float = 0.25, p_pure_noise: float = 0.25, budget_clock: str = "wall",
                       fit_stats: bool = True, lr_follows_budget: bool = True, dynamics: dict | None = None,
-                      grasp: dict | None = None) -> dict:
+                      grasp: dict | None = None, frames: dict | None = None) -> dict:
     """Train ``model`` on chunk windows of ``train`` with the one trainer; returns a report dict.
 
     ``model_config`` is the model's constructor arguments (saved in the checkpoint). Stats are fitted
@@ -250,7 +311,8 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
     it when it ends before ``steps`` unless ``lr_follows_budget=False`` (then over the steps only, and
     a run does not depend on the machine's speed). ``dynamics`` overrides :data:`DYNAMICS_TRAIN` for
     a model with a dynamics ensemble (each step then also draws proprio paths), ``grasp``
-    :data:`GRASP_TRAIN` for one with a finger-gap head (each step then also draws its windows). Resume is exact (``resume=True``, from
+    :data:`GRASP_TRAIN` for one with a finger-gap head (each step then also draws its windows), ``frames``
+    :data:`FRAMES_TRAIN` for one with ``anchor`` (its anchors and own-frame starts). Resume is exact (``resume=True``, from
     ``out_dir/checkpoints/last``); a finished run returns its report unchanged.
 
     Raises:
@@ -259,7 +321,7 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
     out_dir = Path(out_dir)
     task = WorldModelTask(model, model_config, train, heldout, np.random.default_rng(seed),
                           torch.Generator().manual_seed(seed), batch_size, p_deterministic, p_pure_noise,
-                          video_chunks, out_dir, fit_stats, dynamics, grasp)
+                          video_chunks, out_dir, fit_stats, dynamics, grasp, frames)
     tr = _fit(task, out_dir, max_minutes, steps=steps, lr=lr, weight_decay=weight_decay, warmup=warmup,
               grad_clip=grad_clip, log_every=log_every, eval_every=eval_every, ckpt_every=checkpoint_every,
               budget_clock=budget_clock, lr_follows_budget=lr_follows_budget, resume=resume, tensorboard=tensorboard,

@@ -27,6 +27,12 @@ Method (chosen for few-step sampling on CPU; its figures: docs/measurements.md, 
   (every control step, the commanded target as its prior, trained with an unrolled multi-chunk
   loss), whose prediction of the proprio after the chunk also conditions the frames, and whose
   members' disagreement is carried in ``WMState.uncertainty`` (m) for the imagination to halt on.
+* With ``anchor`` set, the frames are also conditioned on the real frames the rollout started from
+  (WoVR keeps the real first frame as conditioning for the whole rollout): the static camera's anchor
+  as it is, and a hand camera's anchor reprojected to the predicted pose after the chunk through the
+  table plane (``worldmodels.reproject.PlaneReprojection``), so the cubes keep their place and
+  sharpness in the wrist view instead of washing out after one chunk. Needs ``dynamics`` for the
+  predicted pose.
 * With ``grasp`` set as well, the finger joints after the chunk come from
   ``worldmodels.grasp.GraspHead``: the dynamics' prediction corrected from the full-resolution wrist
   frame at the chunk's start (whether the fingers will stop on a cube is visible there, not in the arm).
@@ -72,6 +78,11 @@ class ChunkFlowWorldModel(nn.Module):
             (default ``robot0_eye_in_hand``) and ``anchor_camera`` (``None``: no anchor; e.g.
             ``agentview``: the head also reads that camera's real frame of the rollout's start,
             ``WMState.anchor``): the finger-gap head; needs ``dynamics``.
+        anchor: ``None`` or ``{"reproject": None | {"camera": name, "fovy_deg", "mount_pos_m",
+            "mount_rot", "plane_z_m"}}``: condition the frames on the rollout's real start frames
+            (``WMState.anchor``); ``reproject`` names a camera mounted on the end effector and its
+            geometry (``worldmodels.reproject.PlaneReprojection``; the pipeline fills it from the
+            suite's ``camera_mounts``), whose anchor is warped to the predicted pose. Needs ``dynamics``.
         action_low, action_high: the action space's bounds, a float for every dim or one per dim
             (``D_a`` values; ``None``: -1 / 1, the OSC_POSE delta space). Actions are clipped to them
             and mapped to [-1, 1] per dim before they condition the model (for the delta space, an
@@ -96,7 +107,8 @@ class ChunkFlowWorldModel(nn.Module):
                  attention_levels: Sequence[int] = (), patch: int = 2, sampling_steps: int = 1,
                  stochastic: bool = False, noise_scale: float = 1.0, action_low: float | Sequence[float] | None = -1.0,
                  action_high: float | Sequence[float] | None = 1.0, autocast_bf16: bool | str = "auto", proprio_hidden: int = 256,
-                 norm_num_groups: int = 16, dynamics: dict | None = None, grasp: dict | None = None):
+                 norm_num_groups: int = 16, dynamics: dict | None = None, grasp: dict | None = None,
+                 anchor: dict | None = None):
         super().__init__()
         hw = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
         action_dim = 7 if action_dim is None else int(action_dim)  # None: the OSC_POSE delta space's
@@ -134,9 +146,27 @@ class ChunkFlowWorldModel(nn.Module):
         temb = block_out_channels[0] * 4
         down = tuple("AttnDownBlock2D" if i in attention_levels else "DownBlock2D" for i in range(levels))
         up = tuple("AttnUpBlock2D" if (levels - 1 - i) in attention_levels else "UpBlock2D" for i in range(levels))
+        self.anchor_frames = anchor is not None
+        self.reproject, self.reproject_camera = None, None
+        if anchor is not None:
+            unknown = set(anchor) - {"reproject"}
+            if unknown:
+                raise ValueError(f"unknown anchor options {sorted(unknown)}; known: ['reproject']")
+            if dynamics is None:
+                raise ValueError("anchor conditioning needs the predicted pose after each chunk: set dynamics as well")
+            rp = anchor.get("reproject")
+            if rp is not None:
+                from worldmodels.reproject import PlaneReprojection
+
+                rp = dict(rp)
+                cam = rp.pop("camera")
+                if cam not in self.cameras:
+                    raise ValueError(f"anchor.reproject.camera {cam!r} is not one of the model's cameras {self.cameras}")
+                self.reproject_camera = self.cameras.index(cam)
+                self.reproject = PlaneReprojection(**rp)
         self.unet = UNet2DModel(
             sample_size=(hw[0] // patch, hw[1] // patch),
-            in_channels=2 * c_img * patch * patch, out_channels=c_img * patch * patch,
+            in_channels=(3 if self.anchor_frames else 2) * c_img * patch * patch, out_channels=c_img * patch * patch,
             block_out_channels=tuple(block_out_channels), layers_per_block=layers_per_block,
             down_block_types=down, up_block_types=up, class_embed_type="identity",
             resnet_time_scale_shift="scale_shift", norm_num_groups=norm_num_groups,
@@ -241,8 +271,9 @@ class ChunkFlowWorldModel(nn.Module):
         before = mean[:, -2] if mean.shape[1] > 1 else state.proprio.float()
         end = mean[:, -1]
         if self.grasp is not None:
+            anchor_p = state.proprio if state.anchor_proprio is None else state.anchor_proprio
             fingers = self.grasp(self.grasp_frame(state.frames), state.proprio, actions, end,
-                                 self.grasp_frame(state.frames if state.anchor is None else state.anchor, anchor=True))
+                                 self.grasp_anchor_view(state.frames if state.anchor is None else state.anchor, anchor_p, end))
             shift = fingers - end[:, 7:9]
             end = torch.cat([end[:, :7], fingers, end[:, 9:]], -1)
             before = torch.cat([before[:, :7], before[:, 7:9] + shift, before[:, 9:]], -1)
@@ -257,25 +288,52 @@ class ChunkFlowWorldModel(nn.Module):
             return None
         return frames[:, 3 * cam:3 * cam + 3]
 
+    def grasp_anchor_view(self, anchor: torch.Tensor, anchor_proprio: torch.Tensor, pose: torch.Tensor) -> torch.Tensor | None:
+        """The grasp head's anchor input ``(B, 3, Hi, Wi)`` (``None`` without an anchor camera): the anchor
+        camera's frame out of stacked ``anchor`` frames, reprojected from ``anchor_proprio`` to the pose
+        ``pose`` (``(B, D_s)``, the predicted pose after the chunk) when it is the model's ``reproject``
+        camera (``worldmodels.reproject``): then the head sees the real start frame from where the
+        fingers close."""
+        view = self.grasp_frame(anchor, anchor=True)
+        if view is None or self.reproject is None or self.grasp_anchor_camera != self.reproject_camera:
+            return view
+        return self.reproject(view, anchor_proprio, pose)
+
     def grasp_loss(self, frames_u8: torch.Tensor, proprio: torch.Tensor, prev_proprio: torch.Tensor,
-                   actions: torch.Tensor, next_proprio: torch.Tensor, anchor_u8: torch.Tensor | None = None) -> torch.Tensor:
+                   actions: torch.Tensor, next_proprio: torch.Tensor, anchor_u8: torch.Tensor | None = None,
+                   anchor_proprio: torch.Tensor | None = None) -> torch.Tensor:
         """The finger-gap head's loss (``GraspHead.loss``) on chunk windows: stacked ``frames_u8``
         ``uint8 (B, 3 * n_cam, Hi, Wi)`` at the start, ``proprio`` / ``prev_proprio`` ``(B, D_s)``, ``actions``
         ``(B, H, D_a)``, the recorded ``next_proprio`` ``(B, D_s)``, and for an anchor head the stacked
-        anchor frames ``anchor_u8`` (``None``: ``frames_u8``). The dynamics' prediction it corrects is
-        not trained by this loss. Raises ``RuntimeError`` without ``grasp``."""
+        anchor frames ``anchor_u8`` (``None``: ``frames_u8``) with their proprio ``anchor_proprio`` (``None``:
+        ``proprio``). The dynamics' prediction it corrects is not trained by this loss. Raises ``RuntimeError`` without ``grasp``."""
         if self.grasp is None:
             raise RuntimeError("this world model has no grasp head (grasp=None)")
         with torch.no_grad():
             states = self.dynamics.rollout(proprio.float(), actions.float(), prev_proprio.float())
         end = states.mean(0)[:, -1]
-        anchor = self.grasp_frame(to_unit(frames_u8 if anchor_u8 is None else anchor_u8), anchor=True)
+        anchor = self.grasp_anchor_view(to_unit(frames_u8 if anchor_u8 is None else anchor_u8),
+                                        proprio if anchor_proprio is None else anchor_proprio, end)
         return self.grasp.loss(self.grasp_frame(to_unit(frames_u8)), proprio, actions, end, next_proprio, anchor)
 
-    def denoise(self, z: torch.Tensor, sigma: torch.Tensor, frames: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+    def aligned_anchor(self, anchor: torch.Tensor, anchor_proprio: torch.Tensor, next_proprio: torch.Tensor) -> torch.Tensor:
+        """The anchor frames ``float32 (B, 3*n_cam, Hi, Wi)`` in [-1, 1] as conditioning for the frames
+        after the chunk: every camera as it is, the ``reproject`` camera warped from the anchor's pose
+        ``anchor_proprio`` to ``next_proprio`` (``(B, D_s)``; position and ``quat_wxyz`` first)."""
+        if self.reproject is None:
+            return anchor.float()
+        c = 3 * self.reproject_camera
+        warped = self.reproject(anchor[:, c:c + 3], anchor_proprio, next_proprio)
+        return torch.cat([anchor[:, :c].float(), warped, anchor[:, c + 3:].float()], 1)
+
+    def denoise(self, z: torch.Tensor, sigma: torch.Tensor, frames: torch.Tensor, cond: torch.Tensor,
+                anchor: torch.Tensor | None = None) -> torch.Tensor:
         """x-prediction: residual estimate ``float32 (B, 3*n_cam, Hi, Wi)`` from the noisy residual
-        ``z`` at noise level ``sigma (B,)`` in [0, 1], current ``frames`` in [-1, 1], ``cond``."""
-        x = torch.cat([z, frames], dim=1)
+        ``z`` at noise level ``sigma (B,)`` in [0, 1], current ``frames`` in [-1, 1], ``cond`` and, for
+        a model with ``anchor``, the aligned anchor frames (:meth:`aligned_anchor`)."""
+        if self.anchor_frames and anchor is None:
+            raise ValueError("this world model is conditioned on anchor frames: pass anchor (aligned_anchor)")
+        x = torch.cat([z, frames] + ([anchor] if self.anchor_frames else []), dim=1)
         if self.patch > 1:
             x = F.pixel_unshuffle(x, self.patch)
         with self._autocast():
@@ -307,8 +365,14 @@ class ChunkFlowWorldModel(nn.Module):
         cmd = None
         if self.dynamics is not None and self.dynamics.gripper_speed is not None:
             cmd = self.dynamics.command_at_rest(proprio)
-        anchor = frames if self.grasp_anchor_camera is not None else None
-        return WMState(frames, proprio, list(context.task), gripper_command=cmd, anchor=anchor)
+        keep = self.keeps_anchor
+        return WMState(frames, proprio, list(context.task), gripper_command=cmd, anchor=frames if keep else None,
+                       anchor_proprio=proprio if keep else None)
+
+    @property
+    def keeps_anchor(self) -> bool:
+        """Whether imagined states carry the rollout's start frames (``anchor`` or a grasp anchor camera)."""
+        return self.anchor_frames or self.grasp_anchor_camera is not None
 
     def merge_states(self, state: WMState, slots: torch.Tensor, other: WMState) -> WMState:
         """``wmrl.kernel.interfaces.SlotStateWorldModel``: ``state`` with the slots ``slots``
@@ -340,24 +404,32 @@ class ChunkFlowWorldModel(nn.Module):
         proprio = before = unc = cmd = None
         if self.dynamics is not None:   # the arm first: the frames are conditioned on it
             proprio, before, unc, cmd = self.predict_proprio(state, actions, return_command=True)
-        residual = self.sample_residual(state.frames, state.proprio, actions, generator, next_proprio=proprio)
+        anchor = (state.frames if state.anchor is None else state.anchor) if self.keeps_anchor else None
+        anchor_p = (state.proprio if state.anchor_proprio is None else state.anchor_proprio) if self.keeps_anchor else None
+        residual = self.sample_residual(state.frames, state.proprio, actions, generator, next_proprio=proprio,
+                                        anchor=anchor, anchor_proprio=anchor_p)
         frames = (state.frames + residual).clamp(-1, 1)
         if self.dynamics is None:
             cond = self.condition(state.proprio, actions)
             proprio = state.proprio + self.proprio_delta(state.frames, cond) * self.delta_std
-        new = WMState(frames, proprio, list(state.task), before, unc, cmd,
-                      None if self.grasp_anchor_camera is None else (state.frames if state.anchor is None else state.anchor))
+        new = WMState(frames, proprio, list(state.task), before, unc, cmd, anchor, anchor_p)
         obs = Obs(images=split_cameras(to_uint8(frames), self.cameras), proprio=proprio.float(), task=list(state.task))
         return new, obs
 
     def sample_residual(self, frames: torch.Tensor, proprio: torch.Tensor, actions: torch.Tensor,
-                        generator: torch.Generator | None = None, next_proprio: torch.Tensor | None = None) -> torch.Tensor:
+                        generator: torch.Generator | None = None, next_proprio: torch.Tensor | None = None,
+                        anchor: torch.Tensor | None = None, anchor_proprio: torch.Tensor | None = None) -> torch.Tensor:
         """Run the flow sampler: ``float32 (B, 3*n_cam, Hi, Wi)`` residual frame_{t+H} - frame_t
         (``next_proprio``: see :meth:`condition`; with ``dynamics`` and ``None``, predicted from
-        ``proprio`` at rest)."""
+        ``proprio`` at rest; ``anchor`` / ``anchor_proprio``: the rollout's start frames in [-1, 1] and
+        their proprio for a model with ``anchor``, ``None``: ``frames`` / ``proprio``)."""
         if self.dynamics is not None and next_proprio is None:
             next_proprio = self.predict_proprio(WMState(frames, proprio, [""] * frames.shape[0]), actions)[0]
         cond = self.condition(proprio, actions, next_proprio)
+        aligned = None
+        if self.anchor_frames:
+            aligned = self.aligned_anchor(frames if anchor is None else anchor,
+                                          proprio if anchor_proprio is None else anchor_proprio, next_proprio)
         b = frames.shape[0]
         if self.stochastic:
             z = torch.randn(frames.shape, generator=generator, device=frames.device) * self.noise_scale
@@ -369,7 +441,7 @@ class ChunkFlowWorldModel(nn.Module):
         x_hat = z
         for i, t in enumerate(sched.timesteps):
             s = float(sched.sigmas[i])
-            x_hat = self.denoise(z, torch.full((b,), s, device=frames.device), frames, cond)
+            x_hat = self.denoise(z, torch.full((b,), s, device=frames.device), frames, cond, aligned)
             if i == len(sched.timesteps) - 1:
                 break
             velocity = (z - x_hat) / s          # diffusers' flow convention: d z / d sigma
@@ -379,8 +451,14 @@ class ChunkFlowWorldModel(nn.Module):
     # ------------------------------------------------------------------ training
     def loss(self, frames_u8: torch.Tensor, proprio: torch.Tensor, actions: torch.Tensor,
              next_frames_u8: torch.Tensor, next_proprio: torch.Tensor, generator: torch.Generator | None = None,
-             p_deterministic: float = 0.25, p_pure_noise: float = 0.25) -> dict[str, torch.Tensor]:
+             p_deterministic: float = 0.25, p_pure_noise: float = 0.25, anchor_u8: torch.Tensor | None = None,
+             anchor_proprio: torch.Tensor | None = None, frames: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Flow-matching x-prediction loss on a batch of chunk windows.
+
+        For a model with ``anchor``: ``anchor_u8`` ``uint8 (B, 3*n_cam, Hi, Wi)`` and ``anchor_proprio``
+        ``(B, D_s)`` are the rollout-start frames the window is conditioned on (``None``: the window's
+        own start). ``frames``: the start frames in [-1, 1] to condition on instead of ``frames_u8``
+        (the model's own imagined frames, as inside a rollout); the target stays the recorded frame.
 
         Noise levels: a fraction ``p_deterministic`` of the batch is trained on the deterministic path
         (zero noise at ``sigma = 1``), ``p_pure_noise`` at ``sigma = 1`` with noise, the rest
@@ -390,7 +468,7 @@ class ChunkFlowWorldModel(nn.Module):
             dict with ``loss`` (scalar to minimise), ``pixel`` and ``proprio`` (MSE terms).
         """
         self._check_stats()
-        frames, target = to_unit(frames_u8), to_unit(next_frames_u8)
+        frames, target = (to_unit(frames_u8) if frames is None else frames.float()), to_unit(next_frames_u8)
         residual = target - frames
         b = frames.shape[0]
         dev = frames.device
@@ -402,7 +480,11 @@ class ChunkFlowWorldModel(nn.Module):
         s = sigma[:, None, None, None]
         z = (1 - s) * residual + s * eps
         cond = self.condition(proprio, actions, next_proprio)
-        x_hat = self.denoise(z, sigma, frames, cond)
+        aligned = None
+        if self.anchor_frames:
+            aligned = self.aligned_anchor(frames if anchor_u8 is None else to_unit(anchor_u8),
+                                          proprio if anchor_proprio is None else anchor_proprio, next_proprio)
+        x_hat = self.denoise(z, sigma, frames, cond, aligned)
         pixel = F.mse_loss(x_hat, residual)
         if self.dynamics is not None:   # the dynamics learn from their own windows (dynamics_loss)
             return {"loss": pixel, "pixel": pixel.detach(), "proprio": torch.zeros(())}

@@ -40,7 +40,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         p_deterministic=float(tc.p_deterministic), p_pure_noise=float(tc.p_pure_noise), budget_clock=str(tc.budget_clock),
         lr_follows_budget=bool(tc.get("lr_follows_budget", True)),
         dynamics=OmegaConf.to_container(tc.dynamics) if tc.get("dynamics") is not None else None,
-        grasp=OmegaConf.to_container(tc.grasp) if tc.get("grasp") is not None else None)
+        grasp=OmegaConf.to_container(tc.grasp) if tc.get("grasp") is not None else None,
+        frames=OmegaConf.to_container(tc.frames) if tc.get("frames") is not None else None)
     report.update(store=str(ctx.path(cfg.store)), train_episodes=train.num_episodes,
                   heldout_episodes=held.num_episodes)
     hc = int(cfg.get("eval_horizon_chunks") or 0)

@@ -376,3 +376,25 @@ def test_a_calibrated_halt_threshold_comes_from_the_world_models_report():
         _calibrated_env(env, {"heldout_horizons": {}})
     with pytest.raises(ValueError, match="give a number"):
         ImaginationEnv(ArmWorldModel(), LevelCritic(), num_envs=1, halt_uncertainty="calibrated")
+
+
+def test_release_rule_needs_a_held_object_let_go():
+    """Stacking (a release task): the critic says success from the second chunk on; the rule also
+    needs an object held at an earlier chunk end (closed >= 8 steps, gap >= 2.5 cm) and the gripper
+    commanded open on the chunk's last step. Opening without having held anything is no success."""
+    from wmrl.imagination import ProprioLiftRule
+
+    rule = ProprioLiftRule(["lift"], closed_steps=8, gap_min_m=0.025, rise_min_m=0.04, release_tasks=["stack"])
+    env = ImaginationEnv(ArmWorldModel(), LevelCritic(), num_envs=2, max_chunks=8, auto_reset=False, proprio_success=rule)
+    env.reset([level_start(100, "stack"), level_start(100, "stack")])
+    r = env.step(arm_chunk([0, 0], z=[0.0, 0.0], gap=[0.04, 0.01], grip=[1, 1]))     # slot 1 closes on nothing
+    assert not r.success.any()
+    r = env.step(arm_chunk([0, 0], z=[0.05, 0.05], gap=[0.04, 0.01], grip=[1, 1]))   # 8 steps closed: slot 0 holds
+    assert not r.success.any()                                                      # held, not yet let go
+    r = env.step(arm_chunk([0, 0], z=[0.05, 0.05], gap=[0.08, 0.08], grip=[-1, -1]))  # both open
+    assert r.success.tolist() == [True, False]
+    env.reset([level_start(100, "stack"), level_start(0, "stack")])
+    r = env.step(arm_chunk([0, 0], z=[0.0, 0.0], gap=[0.08, 0.08], grip=[-1, -1]))   # the held flag was reset
+    assert not r.success.any()
+    with pytest.raises(ValueError, match="both lifts and release"):
+        ProprioLiftRule(["stack"], release_tasks=["stack"])

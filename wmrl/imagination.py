@@ -58,8 +58,8 @@ class ProprioLiftRule:
         gripper_dim: index of the gripper command in the action (``-1``: the last).
     """
 
-    def __init__(self, tasks: Sequence[str], closed_steps: int = 12, gap_min_m: float = 0.025,
-                 rise_min_m: float = 0.04, gripper_dim: int = -1, release_tasks: Sequence[str] = ()):
+    def __init__(self, tasks: Sequence[str], closed_steps: int = 12, gap_min_m: float = 0.02,
+                 rise_min_m: float = 0.055, gripper_dim: int = -1, release_tasks: Sequence[str] = ()):
         self.tasks, self.release_tasks = set(tasks), set(release_tasks)
         if self.tasks & self.release_tasks:
             raise ValueError(f"tasks {sorted(self.tasks & self.release_tasks)} are both lifts and release tasks")

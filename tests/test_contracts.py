@@ -356,7 +356,8 @@ def test_suite_contract(name):
     suite = _suite(name)
     assert isinstance(suite, I.Suite), name
     assert suite.task_names and len(set(suite.task_names)) == len(suite.task_names)
-    assert suite.action_space.dim == 7 and suite.state_dim == 9 and suite.fps > 0 and len(suite.image_size) == 2
+    assert suite.action_space.dim == len(suite.action_space.low) and suite.action_space.dim in (5, 7)
+    assert suite.state_dim == 9 and suite.fps > 0 and len(suite.image_size) == 2
     for t in suite.task_names:
         assert isinstance(suite.instruction(t), str) and suite.instruction(t)
         assert suite.max_steps(t) > 0
@@ -373,6 +374,20 @@ def test_suite_contract(name):
     assert isinstance(env, I.ChunkEnv) and env.num_envs == 1 and env.action_dim == suite.action_space.dim
 
 
+def _hold_action(suite, env) -> torch.Tensor:
+    """One step ``(B, 1, D_a)`` that keeps every arm where it is: the zero delta, or in the absolute
+    target space the current end-effector pose (gripper command 0 in both)."""
+    from sim.control import yaw_of_down_mat
+
+    if suite.action_space.mode != "absolute":
+        return torch.zeros(env.num_envs, 1, suite.action_space.dim)
+    rows = []
+    for slot in range(env.num_envs):
+        pos, mat = env.task_env(slot).eef_pose()
+        rows.append([*pos, yaw_of_down_mat(mat), 0.0])
+    return torch.tensor(rows, dtype=torch.float32)[:, None]
+
+
 def test_new_task_is_a_class_and_a_yaml_entry():
     """``tests/examples/lift_high_task.py`` + ``configs/suite/lift_high.yaml``: the suite's env and its
     scripted expert run the new task by name, with its own success predicate."""
@@ -384,14 +399,14 @@ def test_new_task_is_a_class_and_a_yaml_entry():
         low_start = _simenv_lifted_start(suite, dz)
         high_start = Start("lift_red_high", suite.instruction("lift_red_high"), sim_state=low_start.sim_state)
         env.reset([low_start, high_start])
-        res = env.step(torch.zeros(2, 1, 7))
+        res = env.step(_hold_action(suite, env))
         assert res.success.tolist() == [True, high], dz
     expert = suite.make_expert()
     env.reset([suite.eval_start("lift_red_high", 0), suite.eval_start("lift_red", 0)])
     expert.begin(0, "lift_red_high", seed=0)
     expert.begin(1, "lift_red", seed=0)
     a = expert.act(env, None, [True, True])
-    assert a.shape == (2, 1, 7) and torch.equal(a[0], a[1])  # same scene, same init state: the same lift expert
+    assert a.shape == (2, 1, suite.action_space.dim) and torch.equal(a[0], a[1])  # same scene, same init state: the same lift expert
 
 
 # ---------------------------------------------------------------------- Transport: robot_bridge.transports

@@ -81,7 +81,7 @@ def test_bench_dynamics_reports_every_horizon_and_the_gate(tmp_path):
                                                   "train": {"steps": 5, "warmup": 1, "progress": False}},
                                groups=["suite=tiny"])
     report = run(cfg, RunContext(cfg, out_dir=tmp_path))
-    assert report["control"] == "osc_delta" and report["episodes"] == {"train": 2, "held_out": 2}
+    assert report["control"] == "ee_target" and report["episodes"] == {"train": 2, "held_out": 2}
     h1 = report["horizons"][1]
     assert h1["model"]["count"] > 0 and set(h1) == {"model", "copy", "commanded", "disagreement", "linear"}
     assert h1["linear"]["count"] == h1["model"]["count"] and h1["linear"]["mean_cm"] >= 0

@@ -192,7 +192,7 @@ def test_wmrl_collect_writes_episodes_and_continues(tmp_path):
     ep = store.episode(0)
     T = ep.length
     assert ep.images["agentview"].shape == (T, 3, 32, 32) and ep.proprio.shape == (T, 9)
-    assert ep.actions.shape == (T, 7) and ep.sim_states.shape[0] == T and ep.sim_states.dtype == np.float64
+    assert ep.actions.shape == (T, 5) and ep.sim_states.shape[0] == T and ep.sim_states.dtype == np.float64
     assert ep.task_name == "lift_red" and ep.instruction == "lift the red cube"
     assert ep.info["split"] == "train" and ep.info["init_index"] == 0 and ep.info["noise"] == 0.3
     assert ep.info["rotation_noise"] == 1.0 and rep["rotation_noise"] == 1.0

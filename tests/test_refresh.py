@@ -31,7 +31,9 @@ def parts(tmp_path_factory):
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("refresh")
     store = tmp / "store.zarr"
-    cfg = _compose("collect", ["suite=tiny", "tasks=[lift_red]", "episodes_per_task=5", "noise=0.3", f"out={store}"])
+    # the delta space, as the world model, policy and Suite below (refresh does not depend on the space)
+    cfg = _compose("collect", ["suite=tiny", "suite.control=null", "tasks=[lift_red]", "episodes_per_task=5", "noise=0.3",
+                               f"out={store}"])
     collect.run(cfg, RunContext(cfg, out_dir=tmp / "collect"))
     st = EpisodeStore.open(store)
     data = EpisodeFrames([st.episode(i) for i in range(len(st))], cameras=["agentview", "robot0_eye_in_hand"])

@@ -122,7 +122,8 @@ def _time_bc(cfg: DictConfig, suite, out: dict[str, float]):
     bc = _stage_config(cfg, "bc")
     policy, _ = policy_for_bench(OmegaConf.create({"policy": OmegaConf.to_container(bc.policy, resolve=True),
                                                "cameras": list(suite.cameras), "image_size": list(suite.image_size),
-                                               "state_dim": suite.state_dim, "action_dim": suite.action_space.dim}))
+                                               "state_dim": suite.state_dim, "action_dim": suite.action_space.dim,
+                                               "action_space": suite.action_space.to_dict()}))
     b = int(bc.train.batch_size)
     prec = resolve_bf16(bc.train.get("bf16", "auto"), "cpu", "BC")
     out["bc_step_s"] = _median_s(bc_step_fn(policy, b, prec.bf16, "cpu"), 5, 2)

@@ -27,6 +27,8 @@ def policy_for_bench(cfg: DictConfig):
     pc["image_size"] = pc.get("image_size") or list(cfg.image_size)
     pc["state_dim"] = pc.get("state_dim") or int(cfg.state_dim)
     pc["action_dim"] = pc.get("action_dim") or int(cfg.action_dim)
+    if pc.get("action_space") is None and cfg.get("action_space") is not None:   # e.g. the suite's (a dict)
+        pc["action_space"] = OmegaConf.to_container(cfg.action_space, resolve=True)
     policy = instantiate(pc, _convert_="all")
     rng = np.random.default_rng(0)
     policy.set_norm_stats(NormStats.from_data({"proprio": rng.standard_normal((256, policy.state_dim)),

@@ -306,3 +306,15 @@ def test_reference_fitted_from_a_report_reproduces_its_stage_times(monkeypatch):
     assert est["stages"] == pytest.approx(times, rel=1e-4)
     with pytest.raises(ValueError, match="no estimate block"):
         machine.reference_from_report({"stages": {}})
+
+
+def test_the_world_model_step_is_timed_for_the_default_world_model():
+    """The default pipeline's world model (dynamics ensemble, anchor, grasp head) takes its action
+    space from the suite in the calibration, as its training stage takes it from the store."""
+    from wmrl.run.machine import _time_world_model, pipeline_suite
+
+    cfg = _pipeline_cfg()
+    cfg.stages.worldmodel.train.batch_size = 2
+    out = {}
+    wm = _time_world_model(cfg, out, pipeline_suite(cfg))
+    assert out["wm_step_s"] > 0 and wm.dynamics is not None and wm.action_dim == 5 and wm.grasp is not None

@@ -103,7 +103,7 @@ def calibrate(cfg: DictConfig, progress: Callable[[str], None] | None = None, su
         policy = _time_bc(cfg, suite, out)
     with _rng_kept():
         say("world-model step")
-        wm = _time_world_model(cfg, out)
+        wm = _time_world_model(cfg, out, suite)
     with _rng_kept():
         say("critic step")
         critic = _time_critic(cfg, out)
@@ -135,10 +135,17 @@ def _time_bc(cfg: DictConfig, suite, out: dict[str, float]):
     return policy
 
 
-def _time_world_model(cfg: DictConfig, out: dict[str, float]):
-    """``wm_step_s`` into ``out``; returns the world model."""
+def _time_world_model(cfg: DictConfig, out: dict[str, float], suite):
+    """``wm_step_s`` into ``out``; returns the world model (action space: the suite's, as the
+    pipeline's store will have it)."""
+    from types import SimpleNamespace
+
+    from wmrl.run.data import fill_action_space
+
     wmc = _stage_config(cfg, "worldmodel")
-    wm = instantiate(OmegaConf.to_container(wmc.worldmodel, resolve=True), _convert_="all")
+    wcfg = OmegaConf.to_container(wmc.worldmodel, resolve=True)
+    fill_action_space(wcfg, SimpleNamespace(action_space=suite.action_space, action_dim=suite.action_space.dim))
+    wm = instantiate(wcfg, _convert_="all")
     wm.set_norm_stats(torch.randn(16, wm.state_dim), torch.randn(16, wm.state_dim))
     bw = int(wmc.train.batch_size)
     ch = 3 * len(wm.cameras)

@@ -125,24 +125,13 @@ class WorldModelTask(_WindowTask):
         trained only on real starts, the residual model blurs further every chunk). Returns
         ``{"anchor_u8", "anchor_proprio", "frames" (float32 in [-1, 1] or None), "proprio" (or None)}``."""
         H, d, c = self.module.chunk_size, self.data, self.frames
-        n = len(ep)
-        back = np.minimum(t, int(c["anchor_back_chunks"]) * H)
-        ta = t - (self.rng.random(n) * (back + 1)).astype(np.int64)
-        ta = np.where(self.rng.random(n) < float(c["anchor_first"]), 0, ta)
-        own = (self.rng.random(n) < float(c["own_fraction"])) & (t >= H)
+        ta = self._anchor_steps(t, int(c["anchor_back_chunks"]), float(c["anchor_first"]))
+        own, k = self._imagined_depths(t, float(c["own_fraction"]), int(c["own_chunks"]))
         frames = proprio = None
         if own.any():
-            most = np.minimum(t // H, int(c["own_chunks"]))
-            k = np.where(own, 1 + (self.rng.random(n) * most).astype(np.int64), 0)
             sel = np.flatnonzero(k > 0)
             ta[sel] = t[sel] - k[sel] * H
-            m = self.module
-            was = m.training
-            m.eval()
-            try:
-                st = imagine_from_real(m, d, ep[sel], t[sel], k[sel])
-            finally:
-                m.train(was)
+            st = self._imagine_eval(ep[sel], t[sel], k[sel])
             frames = to_unit(torch.from_numpy(d.images[d.offsets[ep] + t]))
             proprio = torch.from_numpy(d.proprio[d.offsets[ep] + t]).float()
             frames[torch.from_numpy(sel)] = st.frames.float().cpu()
@@ -176,19 +165,15 @@ class WorldModelTask(_WindowTask):
         b = self.rng.integers(0, len(eps), size=n - n_sw)
         ep, t = np.concatenate([se[a], eps[b]]), np.concatenate([st[a], ts[b]])
         w = d.windows(ep, t, H)
-        imagined = (self.rng.random(n) < float(self.grasp["imagined_fraction"])) & (t >= H)
+        imagined, k = self._imagined_depths(t, float(self.grasp["imagined_fraction"]), int(self.grasp["imagined_chunks"]))
         if imagined.any():
-            most = np.minimum(t // H, int(self.grasp["imagined_chunks"]))
-            k = np.where(imagined, 1 + (self.rng.random(n) * most).astype(np.int64), 0)
             sel = np.flatnonzero(k > 0)
             w.frames, w.proprio, w.prev_proprio = w.frames.clone(), w.proprio.clone(), w.prev_proprio.clone()
             w.frames[sel], w.proprio[sel], w.prev_proprio[sel] = self._imagined_start(ep[sel], t[sel], k[sel])
         w.frames = _augment(w.frames, self.rng, shift=int(self.grasp["shift_px"]), p_blur=float(self.grasp["p_blur"]))
         anchor = anchor_p = None
         if self.module.grasp_anchor_camera is not None:
-            back = np.minimum(t, int(self.grasp["anchor_back_chunks"]) * H)
-            ta = t - (self.rng.random(n) * (back + 1)).astype(np.int64)
-            ta = np.where(self.rng.random(n) < float(self.grasp["anchor_first"]), 0, ta)
+            ta = self._anchor_steps(t, int(self.grasp["anchor_back_chunks"]), float(self.grasp["anchor_first"]))
             if imagined.any():   # an imagined start's anchor is the real frame its rollout began from
                 ta = np.where(imagined, t - k * H, ta)
             reprojected = self.module.reproject is not None and self.module.grasp_anchor_camera == self.module.reproject_camera
@@ -197,18 +182,41 @@ class WorldModelTask(_WindowTask):
             anchor_p = torch.from_numpy(d.proprio[d.offsets[ep] + ta]).float()
         return w, anchor, anchor_p
 
+    def _anchor_steps(self, t: np.ndarray, back_chunks: int, p_first: float) -> np.ndarray:
+        """An anchor step for each window start ``t`` of the same episode: its first step with
+        probability ``p_first``, else uniform in the ``back_chunks`` chunks at or before ``t``."""
+        back = np.minimum(t, back_chunks * self.module.chunk_size)
+        ta = t - (self.rng.random(len(t)) * (back + 1)).astype(np.int64)
+        return np.where(self.rng.random(len(t)) < p_first, 0, ta)
+
+    def _imagined_depths(self, t: np.ndarray, fraction: float, max_chunks: int) -> tuple[np.ndarray, np.ndarray]:
+        """Which window starts ``t`` (a ``fraction`` of those a chunk or more into their episode) begin
+        from the model's own rollout, and how many chunks deep (``1..max_chunks``, at most ``t // H``;
+        0 for the others): ``(bool mask, int64 k)``. Draws ``k`` only when some window is picked."""
+        H, n = self.module.chunk_size, len(t)
+        picked = (self.rng.random(n) < fraction) & (t >= H)
+        k = np.zeros(n, dtype=np.int64)
+        if picked.any():
+            most = np.minimum(t // H, max_chunks)
+            k = np.where(picked, 1 + (self.rng.random(n) * most).astype(np.int64), 0)
+        return picked, k
+
     @torch.no_grad()
-    def _imagined_start(self, ep: np.ndarray, t: np.ndarray, chunks: np.ndarray):
-        """The state at steps ``t`` as an imagined rollout reaches it (:func:`imagine_from_real` with
-        ``chunks`` per window, the model in eval mode: its deterministic path). Returns ``(frames uint8
-        (B, 3 * n_cam, Hi, Wi), proprio, prev_proprio (B, D_s))``."""
+    def _imagine_eval(self, ep: np.ndarray, t: np.ndarray, chunks: np.ndarray) -> WMState:
+        """:func:`imagine_from_real` with ``chunks`` per window, the model in eval mode (its
+        deterministic path) and back in its training mode after."""
         m = self.module
         was = m.training
         m.eval()
         try:
-            state = imagine_from_real(m, self.data, ep, t, chunks)
+            return imagine_from_real(m, self.data, ep, t, chunks)
         finally:
             m.train(was)
+
+    def _imagined_start(self, ep: np.ndarray, t: np.ndarray, chunks: np.ndarray):
+        """The state at steps ``t`` as an imagined rollout reaches it (:meth:`_imagine_eval`). Returns
+        ``(frames uint8 (B, 3 * n_cam, Hi, Wi), proprio, prev_proprio (B, D_s))``."""
+        state = self._imagine_eval(ep, t, chunks)
         prev = state.proprio if state.prev_proprio is None else state.prev_proprio
         return to_uint8(state.frames), state.proprio.float(), prev.float()
 

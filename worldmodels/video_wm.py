@@ -81,8 +81,8 @@ class ChunkFlowWorldModel(nn.Module):
         anchor: ``None`` or ``{"reproject": None | {"camera": name, "fovy_deg", "mount_pos_m",
             "mount_rot", "plane_z_m"}}``: condition the frames on the rollout's real start frames
             (``WMState.anchor``); ``reproject`` names a camera mounted on the end effector and its
-            geometry (``worldmodels.reproject.PlaneReprojection``; the pipeline fills it from the
-            suite's ``camera_mounts``), whose anchor is warped to the predicted pose. Needs ``dynamics``.
+            geometry (``worldmodels.reproject.PlaneReprojection``; the Panda wrist camera's in
+            ``configs/worldmodel/anchor.yaml``), whose anchor is warped to the predicted pose. Needs ``dynamics``.
         action_low, action_high: the action space's bounds, a float for every dim or one per dim
             (``D_a`` values; ``None``: -1 / 1, the OSC_POSE delta space). Actions are clipped to them
             and mapped to [-1, 1] per dim before they condition the model (for the delta space, an

@@ -73,8 +73,7 @@ class ProprioLiftRule:
         return np.array([t in self.release_tasks for t in task_names], dtype=bool)
 
     def update(self, closed: np.ndarray, z_low: np.ndarray, start: torch.Tensor, end: torch.Tensor,
-               actions: torch.Tensor, held: np.ndarray | None = None,
-               task_names: Sequence[str] | None = None) -> np.ndarray:
+               actions: torch.Tensor, held: np.ndarray, task_names: Sequence[str]) -> np.ndarray:
         """Advance the slots' streaks ``closed`` (int, steps), ``z_low`` (m) and ``held`` (bool: an
         object was held at an earlier chunk end) in place over one chunk from proprio ``start`` to
         ``end`` (``(B, D_s)``) under ``actions`` ``(B, H, D_a)``; returns the rule's ``bool (B,)`` at
@@ -90,8 +89,6 @@ class ProprioLiftRule:
         gap = (end[:, 7] - end[:, 8]).double().numpy()
         holding = (closed >= self.closed_steps) & (gap >= self.gap_min_m)
         lift = holding & (z1 - z_low >= self.rise_min_m)
-        if held is None or task_names is None:
-            return lift
         release = held & ~g[:, -1]
         held |= holding
         return np.where(self.releases(task_names), release, lift)

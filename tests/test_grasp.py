@@ -165,4 +165,11 @@ def test_grasp_outcome_counts_misses_and_holds_from_the_real_fingers():
     out = grasp_outcome(wm, data, chunks=2)
     assert out["n"] == 2 * 4 and out["misses"] == 4          # windows t = 1..4 contain the close
     assert out["hold_called"] == 1.0 and out["miss_called"] == 0.0 and len(out["gap_mae_m"]) == 2
+    assert out["hold_precision"] == 0.5                       # every close called a hold, half of them misses
     assert grasp_outcome(wm, data, chunks=5)["n"] == 2 * 3    # H = 4: only t <= 3 can be followed 5 chunks (t + 20 <= 23)
+    lead = grasp_outcome(wm, data, chunks=2, lead_chunks=1)   # imagined from a chunk before the close: t - 4 >= 0
+    assert lead["n"] == 2 and lead["misses"] == 1 and lead["lead_chunks"] == 1 and len(lead["gap_mae_m"]) == 2
+    assert lead["miss_called"] == 0.0 and lead["hold_called"] == 1.0
+    assert grasp_outcome(wm, data, chunks=2, lead_chunks=2)["n"] == 0    # no close is 2 chunks into its episode
+    with pytest.raises(ValueError, match="lead_chunks"):
+        grasp_outcome(wm, data, lead_chunks=-1)

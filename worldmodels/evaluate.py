@@ -190,46 +190,62 @@ def closing_gap_error(model: ChunkFlowWorldModel, data: EpisodeFrames, gripper_d
 
 @torch.no_grad()
 def grasp_outcome(model: ChunkFlowWorldModel, data: EpisodeFrames, chunks: int = 4, held_min_m: float = 0.025,
-                  miss_max_m: float = 0.01, gripper_dim: int = -1, batch_size: int = 64) -> dict:
+                  miss_max_m: float = 0.01, gripper_dim: int = -1, batch_size: int = 64, lead_chunks: int = 0) -> dict:
     """Can imagination tell a grasp from a miss? From every chunk start whose chunk closes the gripper
     (:meth:`EpisodeFrames.gripper_switch_starts`), ``chunks`` chunks imagined autoregressively (the
     model's own frames) with the recorded actions; the real outcome after them is a *miss* when the
     real finger gap (the last two proprio dims, the finger joints, m) is below ``miss_max_m`` (closed on nothing), else a *hold*.
 
+    With ``lead_chunks = L > 0`` imagination starts from the real state ``L`` chunks *before* the closing
+    chunk (its frames the rollout's anchor) and runs ``L + chunks`` chunks, so the close itself is
+    imagined from the model's own frames, as in an imagined rollout that closes the gripper ``L`` chunks
+    in (only closes at least ``L`` chunks into their episode count). From the close (``L = 0``) the
+    head reads the real frame of the closing chunk, which no imagined rollout has.
+
     Returns:
         ``{"n", "misses", "miss_called" (fraction of misses whose imagined gap is < held_min_m, the lift
         rule's threshold), "hold_called" (fraction of holds whose imagined gap is >= held_min_m),
-        "gap_mae_m" (per chunk 1..chunks, over all starts)}``; ``n = 0`` and ``None`` values when no
-        held-out chunk closes the gripper early enough to be followed for ``chunks`` chunks.
+        "hold_precision" (fraction of imagined holds that are real holds: what an imagined lift's
+        precision is bounded by), "gap_mae_m" (per chunk 1..chunks, over all starts), "lead_chunks"}``;
+        ``n = 0`` and ``None`` values when no held-out chunk closes the gripper early enough (``lead_chunks``
+        chunks into its episode) to be followed for ``chunks`` chunks.
+
+    Raises:
+        ValueError: ``lead_chunks < 0``.
     """
     H = model.chunk_size
+    if lead_chunks < 0:
+        raise ValueError(f"lead_chunks must be >= 0, got {lead_chunks}")
     ep, t = data.gripper_switch_starts(H, gripper_dim, closing_only=True)
-    keep = t + H * chunks <= data.lengths[ep] - 1
+    keep = (t + H * chunks <= data.lengths[ep] - 1) & (t - H * lead_chunks >= 0)
     ep, t = ep[keep], t[keep]
     if len(ep) == 0:
-        return {"n": 0, "misses": 0, "miss_called": None, "hold_called": None, "gap_mae_m": None}
+        return {"n": 0, "misses": 0, "miss_called": None, "hold_called": None, "hold_precision": None,
+                "gap_mae_m": None, "lead_chunks": lead_chunks}
     dev = model.proprio_mean.device
     gap = lambda p: p[..., -2] - p[..., -1]   # noqa: E731
     pred, real = [], []
     for i in range(0, len(ep), batch_size):
-        e, s = ep[i:i + batch_size], t[i:i + batch_size]
+        e, s = ep[i:i + batch_size], t[i:i + batch_size] - H * lead_chunks
         w = data.windows(e, s, H)
         state = WMState(to_unit(w.frames.to(dev)), w.proprio.to(dev), [data.instructions[j] for j in e],
                         prev_proprio=w.prev_proprio.to(dev))
         g_pred, g_real = [], []
-        for k in range(chunks):
+        for k in range(lead_chunks + chunks):
             idx = data.offsets[e][:, None] + s[:, None] + k * H + np.arange(H)[None]
             state, _ = model.imagine(state, torch.from_numpy(data.actions[idx]).to(dev))
-            g_pred.append(gap(state.proprio).float().cpu())
-            g_real.append(torch.from_numpy(gap(data.proprio[data.offsets[e] + s + (k + 1) * H])))
+            if k >= lead_chunks:
+                g_pred.append(gap(state.proprio).float().cpu())
+                g_real.append(torch.from_numpy(gap(data.proprio[data.offsets[e] + s + (k + 1) * H])))
         pred.append(torch.stack(g_pred, 1))
         real.append(torch.stack(g_real, 1))
     p, r = torch.cat(pred), torch.cat(real)
     miss = r[:, -1] < miss_max_m
     called = lambda m, ok: float(ok[m].float().mean()) if bool(m.any()) else None   # noqa: E731
-    return {"n": int(len(r)), "misses": int(miss.sum()), "miss_called": called(miss, p[:, -1] < held_min_m),
-            "hold_called": called(~miss, p[:, -1] >= held_min_m),
-            "gap_mae_m": [float(x) for x in (p - r).abs().mean(0)]}
+    held = p[:, -1] >= held_min_m
+    return {"n": int(len(r)), "misses": int(miss.sum()), "miss_called": called(miss, ~held),
+            "hold_called": called(~miss, held), "hold_precision": called(held, ~miss),
+            "gap_mae_m": [float(x) for x in (p - r).abs().mean(0)], "lead_chunks": lead_chunks}
 
 
 @torch.no_grad()

@@ -14,6 +14,8 @@ Report (``report.json``):
 * ``action_following``: one-chunk MSE with the true actions vs with another episode's actions;
 * ``closing_gap`` and ``grasp_outcome``: the finger gap after the chunks that close the gripper, and
   whether 4 imagined chunks from each close tell a grasp from a miss (``worldmodels.evaluate``);
+  ``grasp_outcome_lead``: the same with imagination started 4 chunks before the close, so the close is
+  read from imagined frames as in a rollout;
 * ``critic``: AUROC success vs failure on held-out episodes (final frames);
 * ``policy_check``: success rate of a policy in ``ImaginationEnv`` and in the real ``SimEnv`` from the
   same eval init states (the imagined rollouts start from the sim's real first frame); with
@@ -80,6 +82,7 @@ def _policy_check(cfg: DictConfig, wm, critic, ctx: RunContext) -> dict:
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from wmrl.kernel.checkpoint import load_checkpoint
     from wmrl.run.data import load_splits
+    from wmrl.run.train_worldmodel import GRASP_LEAD_CHUNKS
     from worldmodels.evaluate import action_following, closing_gap_error, critic_auroc, grasp_outcome, horizon_metrics
 
     dev = cfg.device
@@ -98,6 +101,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     report["action_following"] = action_following(wm, held, n=int(cfg.action_following_n), seed=int(cfg.seed))
     report["closing_gap"] = closing_gap_error(wm, held)
     report["grasp_outcome"] = grasp_outcome(wm, held)
+    report["grasp_outcome_lead"] = grasp_outcome(wm, held, lead_chunks=GRASP_LEAD_CHUNKS)
     if critic is not None:
         report["critic"] = critic_auroc(critic, held)
     if cfg.policy_check.get("policy"):
@@ -129,6 +133,11 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     if go["n"]:
         print(f"grasps imagined 4 chunks from the close: misses called {go['miss_called']} of {go['misses']}, "
               f"holds called {go['hold_called']} of {go['n'] - go['misses']}")
+    gl = report["grasp_outcome_lead"]
+    if gl["n"]:
+        print(f"grasps imagined from {GRASP_LEAD_CHUNKS} chunks before the close: misses called {gl['miss_called']} of "
+              f"{gl['misses']}, holds called {gl['hold_called']} of {gl['n'] - gl['misses']}, imagined holds real "
+              f"{gl['hold_precision']}")
     for k, v in acc.items():
         print(f"{k}: {v['value']:.3f} {'PASS' if v['pass'] else 'FAIL'}")
     return report

@@ -50,6 +50,15 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     return report
 
 
+#: chunks before the close from which the held-out grasp outcome is also imagined (``grasp_outcome_lead``):
+#: an imagined rollout closes the gripper from its own frames, several chunks after its real start
+GRASP_LEAD_CHUNKS = 4
+
+
+def _frac(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def heldout_horizons(checkpoint, held, max_chunks: int, position_dims, seed: int) -> dict:
     """Fidelity of the trained model ``k = 1..max_chunks`` chunks ahead on the held-out episodes
     (``worldmodels.evaluate.horizon_metrics`` with the true actions): PSNR gain over copy-last-frame
@@ -74,6 +83,12 @@ def heldout_horizons(checkpoint, held, max_chunks: int, position_dims, seed: int
         log.info("held-out grasps imagined 4 chunks from the close: %s of %d misses and %s of %d holds called right",
                  "n/a" if go["miss_called"] is None else f"{go['miss_called']:.2f}", go["misses"],
                  "n/a" if go["hold_called"] is None else f"{go['hold_called']:.2f}", go["n"] - go["misses"])
+    gl = out["grasp_outcome_lead"] = grasp_outcome(model, held, lead_chunks=GRASP_LEAD_CHUNKS)
+    if gl["n"]:
+        log.info("held-out grasps imagined from %d chunks before the close (as in a rollout): %s of %d misses and %s of "
+                 "%d holds called right; %s of the imagined holds are real", GRASP_LEAD_CHUNKS,
+                 _frac(gl["miss_called"]), gl["misses"], _frac(gl["hold_called"]), gl["n"] - gl["misses"],
+                 _frac(gl["hold_precision"]))
     if "halt_uncertainty_tau" in hm:
         out.update(uncertainty_mean_m=hm["uncertainty_mean"], uncertainty_q99_m=hm["uncertainty_q99"],
                    halt_uncertainty_tau_m=hm["halt_uncertainty_tau"])

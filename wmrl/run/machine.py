@@ -28,22 +28,22 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("wmrl.machine")
 
-# A default `wmrl pipeline` (seed 0) and the calibration it printed at its start, on the reference
-# machine: AMD EPYC (family 26), 2 cores, AVX-512 with AVX512_BF16, 24 GiB; bf16 autocast for BC and
-# the world model. REFERENCE[stage] = (measured wall s, work units, unit cost s) from that run's
-# report.json ("stages", "estimate.units", "estimate.calibration"); k = time / (units * cost).
+# A default `wmrl pipeline` (seed 1) and the calibration it printed at its start, on the reference
+# machine: Intel Xeon (Sapphire Rapids), 2 cores, AVX-512 with AVX512_BF16 and AMX, 24 GiB; bf16
+# autocast for BC and the world model. REFERENCE[stage] = (measured wall s, work units, unit cost s)
+# from that run's report.json ("stages", "estimate.units", "estimate.calibration"); k = time / (units * cost).
 # (`python -m wmrl.run.machine REPORT.json` prints these rows from a run's report.)
-REFERENCE_RUN = "default pipeline at a19d59d, seed 0, 752 s, on the reference CPU above"
+REFERENCE_RUN = "default pipeline at 13799a3, seed 1, 1650 s, on the reference CPU above"
 REFERENCE: dict[str, tuple[float, float, float]] = {
-    "collect": (74.1, 10800.0, 0.0122955),
-    "bc": (148.4, 3600.0, 0.0432774),   # 0.0416314 x 1.0395: the BC step now timed with EMA and clipping
-    "bc_rollouts": (43.8, 3840.0, 0.0122955),
-    "worldmodel": (177.7, 700.0, 0.242507),
-    "critic": (76.2, 1600.0, 0.0355173),
-    "imagination_check": (25.7, 576.0, 0.0037667),
-    "eval_before": (68.8, 18000.0, 0.0122955),
-    "grpo": (70.2, 17280.0, 0.0037667),
-    "eval_after": (67.2, 18000.0, 0.0122955),
+    "collect": (112.2, 10800.0, 0.0249571),
+    "bc": (204.0, 3600.0, 0.0587701),
+    "bc_rollouts": (56.7, 3840.0, 0.0249571),
+    "worldmodel": (599.7, 700.0, 0.259982),
+    "critic": (162.6, 1600.0, 0.0494175),
+    "imagination_check": (202.4, 1872.0, 0.00426332),
+    "eval_before": (125.8, 18000.0, 0.0249571),
+    "grpo": (95.6, 18720.0, 0.00426332),
+    "eval_after": (91.0, 18000.0, 0.0249571),
 }
 
 

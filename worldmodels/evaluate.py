@@ -188,6 +188,12 @@ def closing_gap_error(model: ChunkFlowWorldModel, data: EpisodeFrames, gripper_d
     return {"mae_m": float(e.mean()), "mae_copy_m": float(c.mean()), "n": int(len(e))}
 
 
+#: chunks before the close from which the world-model reports also imagine the held-out grasps
+#: (``grasp_outcome_lead``): an imagined rollout closes the gripper from its own frames, several
+#: chunks after its real start (6-10 in the default pipeline's imagination check)
+GRASP_LEAD_CHUNKS = 4
+
+
 @torch.no_grad()
 def grasp_outcome(model: ChunkFlowWorldModel, data: EpisodeFrames, chunks: int = 4, held_min_m: float = 0.025,
                   miss_max_m: float = 0.01, gripper_dim: int = -1, batch_size: int = 64, lead_chunks: int = 0) -> dict:

@@ -82,8 +82,8 @@ def _policy_check(cfg: DictConfig, wm, critic, ctx: RunContext) -> dict:
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from wmrl.kernel.checkpoint import load_checkpoint
     from wmrl.run.data import load_splits
-    from wmrl.run.train_worldmodel import GRASP_LEAD_CHUNKS
-    from worldmodels.evaluate import action_following, closing_gap_error, critic_auroc, grasp_outcome, horizon_metrics
+    from worldmodels.evaluate import (GRASP_LEAD_CHUNKS, action_following, closing_gap_error, critic_auroc, grasp_outcome,
+                                      horizon_metrics)
 
     dev = cfg.device
     wm = load_checkpoint(ctx.path(cfg.world_model), map_location=dev).eval()

@@ -50,11 +50,6 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     return report
 
 
-#: chunks before the close from which the held-out grasp outcome is also imagined (``grasp_outcome_lead``):
-#: an imagined rollout closes the gripper from its own frames, several chunks after its real start
-GRASP_LEAD_CHUNKS = 4
-
-
 def _frac(x) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
@@ -64,7 +59,7 @@ def heldout_horizons(checkpoint, held, max_chunks: int, position_dims, seed: int
     (``worldmodels.evaluate.horizon_metrics`` with the true actions): PSNR gain over copy-last-frame
     (dB) and the imagined end-effector position error (m) beside the copy baseline's."""
     from wmrl.kernel.checkpoint import load_checkpoint
-    from worldmodels.evaluate import closing_gap_error, grasp_outcome, horizon_metrics
+    from worldmodels.evaluate import GRASP_LEAD_CHUNKS, closing_gap_error, grasp_outcome, horizon_metrics
 
     model = load_checkpoint(checkpoint, map_location="cpu").eval()
     if int(held.lengths.max()) <= model.chunk_size:

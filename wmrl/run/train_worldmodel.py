@@ -76,8 +76,7 @@ def heldout_horizons(checkpoint, held, max_chunks: int, position_dims, seed: int
     go = out["grasp_outcome"] = grasp_outcome(model, held)
     if go["n"]:
         log.info("held-out grasps imagined 4 chunks from the close: %s of %d misses and %s of %d holds called right",
-                 "n/a" if go["miss_called"] is None else f"{go['miss_called']:.2f}", go["misses"],
-                 "n/a" if go["hold_called"] is None else f"{go['hold_called']:.2f}", go["n"] - go["misses"])
+                 _frac(go["miss_called"]), go["misses"], _frac(go["hold_called"]), go["n"] - go["misses"])
     gl = out["grasp_outcome_lead"] = grasp_outcome(model, held, lead_chunks=GRASP_LEAD_CHUNKS)
     if gl["n"]:
         log.info("held-out grasps imagined from %d chunks before the close (as in a rollout): %s of %d misses and %s of "

@@ -109,6 +109,36 @@ class Suite:
         n = self.num_init_states(task, "train")
         return Start(task_name=task, instruction=self.instruction(task), init_index=int(i) % n, split="train")
 
+    def object_position(self, start: Start) -> np.ndarray | None:
+        """Where the start's task object (``TaskSpec.obj``) is: ``float64 (3,)``, m, in the robot base
+        frame (the frame of proprio's end effector), read from the start's ``sim_state`` or, without
+        one, its init state (``init_index``, ``split``). ``None`` for a start with neither. This is
+        the start-state perception a deployment gets from a pose estimator on the start frame;
+        ``wmrl.imagination.ProprioLiftRule``'s grasp box reads it.
+
+        Raises:
+            ValueError: a task not in the suite, or a state of the wrong size for its scene.
+        """
+        spec = self.task(start.task_name)
+        state = start.sim_state
+        if state is None:
+            if start.init_index is None:
+                return None
+            state = self.init_state(start.task_name, start.split, int(start.init_index))
+        envs = self.__dict__.setdefault("_state_readers", {})
+        if spec.scene not in envs:
+            from sim.env import TaskEnv
+
+            envs[spec.scene] = TaskEnv(spec.scene, cameras=(), control=self.control)
+        env = envs[spec.scene]
+        state = np.asarray(state, dtype=np.float64)
+        if state.shape != (env.state_size,):
+            raise ValueError(f"sim_state for scene {spec.scene!r} must have shape ({env.state_size},), got {state.shape}")
+        env.sim.set_state_from_flattened(state)
+        env.sim.forward()
+        pv = env.privileged()
+        return pv["base_mat"].T @ (pv["objects"][spec.obj]["pos"] - pv["base_pos"])
+
     # ------------------------------------------------------------------ factories
     def make_env(self, num_envs: int, auto_reset: bool = True, next_start=None, device="cpu",
                  cameras: Sequence[str] | None = None):

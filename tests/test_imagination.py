@@ -398,3 +398,71 @@ def test_release_rule_needs_a_held_object_let_go():
     assert not r.success.any()
     with pytest.raises(ValueError, match="both lifts and release"):
         ProprioLiftRule(["stack"], release_tasks=["stack"])
+
+
+def test_grasp_box_turns_a_close_away_from_the_object_into_a_miss():
+    """Three lift slots close at the same imagined end effector (x = y = 1 m after one chunk of
+    ArmWorldModel) with a finger gap that reads as a hold, then raise the arm. Slot 0's object is at
+    the end effector, slot 1's 10 cm off in x (a miss: no success, counted once), slot 2's unknown
+    (NaN: never a miss). The critic never says success; with ``lifts_need_critic=False`` the rule
+    alone decides the lifts."""
+    from wmrl.imagination import ProprioLiftRule
+
+    where = {"a": (1.0, 1.0, 0.0), "b": (1.1, 1.0, 0.0), "c": None}
+    rule = ProprioLiftRule(["lift"], closed_steps=8, gap_min_m=0.025, rise_min_m=0.04,
+                           grasp_box_m=(0.035, 0.03, 0.02), lifts_need_critic=False)
+    env = ImaginationEnv(ArmWorldModel(), LevelCritic(), num_envs=3, max_chunks=8, auto_reset=False,
+                         proprio_success=rule, start_objects=lambda s: where[s.instruction[-1]])
+    starts = [level_start(0, "lift") for _ in range(3)]
+    for s, k in zip(starts, "abc"):
+        s.instruction = f"lift {k}"
+    env.reset(starts)
+    r = env.step(arm_chunk([0] * 3, z=[0.0] * 3, gap=[0.04] * 3, grip=[1] * 3))   # the close, at x = y = 1
+    assert not r.success.any() and env.grasp_misses == 1
+    r = env.step(arm_chunk([0] * 3, z=[0.05] * 3, gap=[0.04] * 3, grip=[1] * 3))  # held 8 steps and raised 5 cm
+    assert r.success.tolist() == [True, False, True]
+    assert env.grasp_misses == 1          # the miss is counted once, not per chunk it lasts
+    env.reset(starts)                     # a reset clears the miss; the next close is judged afresh
+    env.step(arm_chunk([0] * 3, z=[0.0] * 3, gap=[0.08] * 3, grip=[-1] * 3))
+    r = env.step(arm_chunk([0] * 3, z=[0.0] * 3, gap=[0.04] * 3, grip=[1] * 3))   # at x = y = 2: every known object off
+    assert env.grasp_misses == 3
+    with pytest.raises(ValueError, match="3 positive lengths"):
+        ProprioLiftRule(["lift"], grasp_box_m=(0.03, 0.03))
+
+
+def test_box_miss_reads_the_offset_in_the_base_frame():
+    from wmrl.imagination import ProprioLiftRule
+
+    rule = ProprioLiftRule(["lift"], grasp_box_m=(0.03, 0.02, 0.01))
+    obj = np.array([[0.5, 0.0, 0.02]] * 5)
+    ee = obj + np.array([[0.029, -0.019, -0.05],      # inside (below the centre is fine: fingers reach down)
+                         [0.031, 0.0, 0.0],           # off in x
+                         [0.0, -0.021, 0.0],          # off in y
+                         [0.0, 0.0, 0.011],           # closing above the object
+                         [0.0, 0.0, 0.0]])
+    obj[4] = np.nan
+    assert rule.box_miss(ee, obj).tolist() == [False, True, True, True, False]
+    assert not ProprioLiftRule(["lift"]).box_miss(ee, obj).any()
+
+
+def test_reopening_the_gripper_clears_a_miss():
+    from wmrl.imagination import ProprioLiftRule
+
+    rule = ProprioLiftRule(["lift"], closed_steps=4, grasp_box_m=(0.03, 0.03, 0.02))
+    closed, z_low, held, missed = np.zeros(1, int), np.zeros(1), np.zeros(1, bool), np.zeros(1, bool)
+    obj = np.array([[0.5, 0.0, 0.0]])
+
+    def step(x, grip):
+        p = torch.zeros(1, 9)
+        p[0, 0], p[0, 7], p[0, 8] = x, 0.02, -0.02
+        a = torch.full((1, 4, 5), float(grip))
+        return rule.update(closed, z_low, p, p, a, held, ["lift"], missed=missed, objects=obj)
+
+    step(0.6, 1)                          # closes 10 cm off: a miss
+    assert missed[0]
+    step(0.5, 1)                          # still closed, now above the object: still the same miss
+    assert missed[0]
+    step(0.5, -1)                         # opened
+    assert not missed[0]
+    step(0.5, 1)                          # closes on the object
+    assert not missed[0]

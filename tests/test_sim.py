@@ -347,3 +347,37 @@ def test_frames_do_not_depend_on_what_other_scenes_rendered(suite):
     again = a.observe()["images"]
     for cam in first:
         assert np.array_equal(first[cam], again[cam])
+
+
+def test_object_position_is_the_task_objects_place_in_the_base_frame(suite):
+    """``Suite.object_position`` (the grasp box's start-state perception): the task's own object,
+    in the frame of proprio's end effector, from a start's init state or its sim_state."""
+    from sim.env import TaskEnv
+
+    env = TaskEnv("two_cubes", cameras=())
+    for task, obj in (("lift_red", "red"), ("lift_green", "green"), ("stack_red_on_green", "red")):
+        state = suite.init_state(task, "train", 3)
+        env.reset(task, state)
+        pv = env.privileged()
+        want = pv["base_mat"].T @ (pv["objects"][obj]["pos"] - pv["base_pos"])
+        got = suite.object_position(Start(task_name=task, instruction="", init_index=3, split="train"))
+        np.testing.assert_allclose(got, want, atol=1e-9)
+        got = suite.object_position(Start(task_name=task, instruction="", sim_state=state))
+        np.testing.assert_allclose(got, want, atol=1e-9)
+    # the cubes sit on the table in front of the robot (robot base frame, m)
+    assert 0.3 < want[0] < 0.8 and abs(want[1]) < 0.3
+    assert suite.object_position(Start(task_name="lift_red", instruction="")) is None
+    with pytest.raises(ValueError, match="shape"):
+        suite.object_position(Start(task_name="lift_red", instruction="", sim_state=np.zeros(3)))
+
+
+def test_a_grasp_box_needs_a_suite_that_locates_objects(suite):
+    from wmrl.kernel.interfaces import ObjectLocatingSuite
+    from wmrl.run.builders import with_start_objects
+
+    opts = {"proprio_success": {"tasks": ["lift_red"], "grasp_box_m": [0.035, 0.03, 0.02]}}
+    assert isinstance(suite, ObjectLocatingSuite)
+    assert with_start_objects(opts, suite)["start_objects"] == suite.object_position
+    assert "start_objects" not in with_start_objects({"proprio_success": {"tasks": ["lift_red"]}}, suite)
+    with pytest.raises(ValueError, match="grasp_box_m=null"):
+        with_start_objects(opts, object())

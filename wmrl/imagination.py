@@ -16,6 +16,9 @@ Semantics are those of ``sim.env.SimEnv`` (see ``wmrl.kernel.interfaces.ChunkEnv
   also needs the predicted arm to hold and raise an object, read from the imagined proprio and the
   commanded gripper; the critic alone is fooled by generated frames where the proprio is not;
   for its ``release_tasks`` (stacking) success also needs an object held earlier and let go;
+  with the rule's ``grasp_box_m`` and a ``start_objects`` callable, a close whose imagined end
+  effector is not around the task's object (where the start's init state puts it) is a miss, and
+  the fingers' imagined gap cannot turn it into a hold (counted in :attr:`ImaginationEnv.grasp_misses`);
 * ``halt_uncertainty`` (optional, a world model with the ``UncertainWorldModel`` capability): a slot
   whose imagined state the model is unsure of beyond it halts: terminated, reward 0, no success,
   flagged in ``info["halted"]`` and counted in :attr:`ImaginationEnv.halted` (MOReL's unknown-state
@@ -52,19 +55,43 @@ class ProprioLiftRule:
     which the object is still in the hand (measured: 13 of 14 imagined stacking successes of the
     critic alone were the red cube held above the green one, docs/measurements.md).
 
+    **The grasp box** (``grasp_box_m = (bx, by, bz)``, m): the finger gap is what the world model gets
+    wrong (every imagined lift that failed in the sim on the seed-1 check was a close on nothing read
+    as a hold, the imagined arm within 0.2-1 cm of the real one; docs/measurements.md). The arm is
+    what it gets right, and objects stay where they are until touched, so the close is also judged
+    geometrically: at the end of the chunk in which the gripper becomes commanded closed, the
+    imagined end effector ``p`` must be within ``|p_x - o_x| <= bx``, ``|p_y - o_y| <= by`` and
+    ``p_z - o_z <= bz`` of the task's object ``o`` at the rollout's start (robot base frame, m;
+    ``ImaginationEnv``'s ``start_objects``); otherwise the slot's grasp is a *miss* and cannot hold
+    until the gripper is commanded open again. An unknown object position (NaN) is never a miss.
+
     Args:
         tasks: the lift task names the rule applies to (the others: the critic alone).
         release_tasks: the placing task names (see above).
         gripper_dim: index of the gripper command in the action (``-1``: the last).
+        grasp_box_m: ``(bx, by, bz)`` in m, or ``None`` (no geometric check).
+        lifts_need_critic: ``False``: a lift's success is the rule alone (the critic's threshold
+            still decides the release tasks and the tasks the rule does not name).
+
+    Raises:
+        ValueError: a task both a lift and a release task, or a grasp box that is not 3 positive lengths.
     """
 
     def __init__(self, tasks: Sequence[str], closed_steps: int = 12, gap_min_m: float = 0.02,
-                 rise_min_m: float = 0.055, gripper_dim: int = -1, release_tasks: Sequence[str] = ()):
+                 rise_min_m: float = 0.055, gripper_dim: int = -1, release_tasks: Sequence[str] = (),
+                 grasp_box_m: Sequence[float] | None = None, lifts_need_critic: bool = True):
         self.tasks, self.release_tasks = set(tasks), set(release_tasks)
         if self.tasks & self.release_tasks:
             raise ValueError(f"tasks {sorted(self.tasks & self.release_tasks)} are both lifts and release tasks")
         self.closed_steps, self.gap_min_m, self.rise_min_m = int(closed_steps), float(gap_min_m), float(rise_min_m)
         self.gripper_dim = int(gripper_dim)
+        if grasp_box_m is not None:
+            box = [float(x) for x in grasp_box_m]
+            if len(box) != 3 or min(box) <= 0 or not np.isfinite(box).all():
+                raise ValueError(f"grasp_box_m must be 3 positive lengths (bx, by, bz) in m, got {list(grasp_box_m)}")
+            grasp_box_m = np.array(box)
+        self.grasp_box_m = grasp_box_m
+        self.lifts_need_critic = bool(lifts_need_critic)
 
     def applies(self, task_names: Sequence[str]) -> np.ndarray:
         return np.array([t in self.tasks or t in self.release_tasks for t in task_names], dtype=bool)
@@ -72,22 +99,45 @@ class ProprioLiftRule:
     def releases(self, task_names: Sequence[str]) -> np.ndarray:
         return np.array([t in self.release_tasks for t in task_names], dtype=bool)
 
+    def lifts(self, task_names: Sequence[str]) -> np.ndarray:
+        return np.array([t in self.tasks for t in task_names], dtype=bool)
+
+    def box_miss(self, ee: np.ndarray, objects: np.ndarray) -> np.ndarray:
+        """``bool (B,)``: the end effector ``ee`` ``(B, 3)`` (m) is outside the grasp box around
+        ``objects`` ``(B, 3)`` (m, robot base frame; a NaN row is never a miss). All ``False``
+        without a grasp box."""
+        if self.grasp_box_m is None:
+            return np.zeros(len(ee), dtype=bool)
+        off = np.asarray(ee, dtype=np.float64) - np.asarray(objects, dtype=np.float64)
+        known = np.isfinite(off).all(1)
+        off = np.nan_to_num(off)
+        bx, by, bz = self.grasp_box_m
+        return known & ((np.abs(off[:, 0]) > bx) | (np.abs(off[:, 1]) > by) | (off[:, 2] > bz))
+
     def update(self, closed: np.ndarray, z_low: np.ndarray, start: torch.Tensor, end: torch.Tensor,
-               actions: torch.Tensor, held: np.ndarray, task_names: Sequence[str]) -> np.ndarray:
+               actions: torch.Tensor, held: np.ndarray, task_names: Sequence[str],
+               missed: np.ndarray | None = None, objects: np.ndarray | None = None) -> np.ndarray:
         """Advance the slots' streaks ``closed`` (int, steps), ``z_low`` (m) and ``held`` (bool: an
         object was held at an earlier chunk end) in place over one chunk from proprio ``start`` to
         ``end`` (``(B, D_s)``) under ``actions`` ``(B, H, D_a)``; returns the rule's ``bool (B,)`` at
-        the chunk's end (the release rule for the slots whose ``task_names`` are release tasks)."""
+        the chunk's end (the release rule for the slots whose ``task_names`` are release tasks).
+        With a grasp box, ``missed`` (bool ``(B,)``, in place: the current close is a miss) and
+        ``objects`` (``(B, 3)`` m, the task's object at the rollout's start, NaN: unknown) apply it."""
         g = (actions[..., self.gripper_dim] > 0).numpy()
         H = g.shape[1]
         z0, z1 = start[:, 2].double().numpy(), end[:, 2].double().numpy()
         trailing = np.argmin(np.concatenate([g[:, ::-1], np.zeros((len(g), 1), bool)], 1), axis=1)   # closed steps at the chunk's end
         whole = trailing == H
-        fresh = (closed == 0) | ~whole       # the close began inside this chunk (or it is open)
+        was_open = closed == 0               # the previous chunk ended with the gripper commanded open
+        fresh = was_open | ~whole            # the close began inside this chunk (or it is open)
         z_low[:] = np.where(whole & ~fresh, np.minimum(z_low, z1), np.minimum(z0, z1))
         closed[:] = np.where(whole, closed + H, trailing)
         gap = (end[:, 7] - end[:, 8]).double().numpy()
         holding = (closed >= self.closed_steps) & (gap >= self.gap_min_m)
+        if missed is not None and objects is not None and self.grasp_box_m is not None:
+            closes = g[:, -1] & (was_open | ~whole)    # commanded closed at the chunk's end, opened within or before it
+            missed[:] = np.where(closes, self.box_miss(end[:, :3].double().numpy(), objects), missed & g[:, -1])
+            holding &= ~missed
         lift = holding & (z1 - z_low >= self.rise_min_m)
         release = held & ~g[:, -1]
         held |= holding
@@ -131,6 +181,9 @@ class ImaginationEnv:
         proprio_success: a :class:`ProprioLiftRule` (or ``None``): see the module docstring.
         halt_uncertainty: threshold on the world model's ``uncertainty`` (its units, m for the
             dynamics ensemble) above which a slot halts; ``None``: never.
+        start_objects: ``Start -> float (3,) | None``: the position (m, robot base frame) of the
+            start's task object, for the rule's grasp box (``sim.suite.Suite.object_position``
+            reads it from the start's init state); ``None`` (or a ``None`` result): unknown, no box.
 
     Raises:
         ValueError: bad sizes, or ``halt_uncertainty`` with a world model without the
@@ -141,7 +194,7 @@ class ImaginationEnv:
                  success_threshold: float = 0.5, success_bonus: float = 1.0, progress_scale: float = 1.0,
                  auto_reset: bool = True, success_patience: int = 1, next_start: Callable[[int], Start] | None = None,
                  seed: int | None = 0, action_dim: int | None = None, proprio_success: ProprioLiftRule | None = None,
-                 halt_uncertainty: float | None = None):
+                 halt_uncertainty: float | None = None, start_objects: Callable[[Start], object] | None = None):
         if int(num_envs) < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         if int(max_chunks) < 1:
@@ -172,6 +225,10 @@ class ImaginationEnv:
         self._closed = np.zeros(self.num_envs, dtype=np.int64)
         self._z_low = np.zeros(self.num_envs)
         self._held = np.zeros(self.num_envs, dtype=bool)
+        self.start_objects = start_objects
+        self._objects = np.full((self.num_envs, 3), np.nan)
+        self._missed = np.zeros(self.num_envs, dtype=bool)
+        self.grasp_misses = 0   # closes the grasp box judged misses (proprio_success.grasp_box_m)
         if isinstance(halt_uncertainty, str):
             raise ValueError(f"halt_uncertainty={halt_uncertainty!r}: give a number (m); 'calibrated' is resolved by wmrl "
                              "pipeline from the world model's report (heldout_horizons.halt_uncertainty_tau_m)")
@@ -207,6 +264,9 @@ class ImaginationEnv:
             self._streak[b] = 0
             self._closed[b] = 0
             self._held[b] = False
+            self._missed[b] = False
+            pos = None if self.start_objects is None else self.start_objects(s)
+            self._objects[b] = np.nan if pos is None else np.asarray(pos, dtype=np.float64).reshape(3)
             self._finished[b] = False
         self._obs = obs
         fresh = self.world_model.init(obs)
@@ -271,10 +331,15 @@ class ImaginationEnv:
         succ = torch.from_numpy(self._streak >= self.success_patience) & running
         tasks = [s.task_name if s is not None else "" for s in self._starts]
         if self.proprio_success is not None:
-            rule = self.proprio_success.update(self._closed, self._z_low, self._obs.proprio, pred.proprio, a,
-                                               held=self._held, task_names=tasks)
-            ruled = torch.from_numpy(self.proprio_success.applies(tasks))
+            rule_ = self.proprio_success
+            missed_before = self._missed.copy()
+            rule = rule_.update(self._closed, self._z_low, self._obs.proprio, pred.proprio, a, held=self._held,
+                                task_names=tasks, missed=self._missed, objects=self._objects)
+            self.grasp_misses += int((self._missed & ~missed_before & ~was_finished).sum())
+            ruled = torch.from_numpy(rule_.applies(tasks))
+            alone = torch.from_numpy(rule_.lifts(tasks) & (not rule_.lifts_need_critic))
             succ = torch.where(ruled, succ & torch.from_numpy(rule), succ)
+            succ = torch.where(alone, torch.from_numpy(rule) & running, succ)
         halted = torch.zeros(B, dtype=torch.bool)
         if self.halt_uncertainty is not None:
             unc = self.world_model.uncertainty(state)

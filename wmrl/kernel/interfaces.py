@@ -247,6 +247,16 @@ class Suite(Protocol):
 
 
 @runtime_checkable
+class ObjectLocatingSuite(Protocol):
+    """Capability: a suite that says where a start's task object is (the start-state perception a
+    deployment gets from a pose estimator on its first frame), for the imagination's grasp box
+    (``wmrl.imagination.ProprioLiftRule``). Implementation: ``sim.suite.Suite.object_position``."""
+
+    def object_position(self, start: Start) -> Any:
+        """``float64 (3,)`` (m, robot base frame), or ``None`` where the start does not say."""
+
+
+@runtime_checkable
 class RandomStreams(Protocol):
     """Capability: an object that draws from generators of its own (e.g. ``ImaginationEnv``'s
     sampling generator) declares them, so a trainer's checkpoint saves and restores them

@@ -75,6 +75,24 @@ def make_imagination_env(world_model: str, critic: str, num_envs: int, seed: int
     return ImaginationEnv(wm, cr, num_envs=int(num_envs), seed=int(seed), **kwargs)
 
 
+def with_start_objects(options: dict, suite) -> dict:
+    """``options`` of an ImaginationEnv plus ``start_objects=suite.object_position`` when its
+    ``proprio_success`` has a ``grasp_box_m`` (the box needs where each start's object is).
+
+    Raises:
+        ValueError: a grasp box without a suite, or with a suite that cannot say where objects are."""
+    rule = options.get("proprio_success") or {}
+    if not (isinstance(rule, dict) and rule.get("tasks") and rule.get("grasp_box_m") is not None):
+        return options
+    from wmrl.kernel.interfaces import ObjectLocatingSuite
+
+    if not isinstance(suite, ObjectLocatingSuite):
+        raise ValueError(f"proprio_success.grasp_box_m needs a suite that says where each start's object is "
+                         f"(the ObjectLocatingSuite capability); {type(suite).__name__} does not: set "
+                         f"proprio_success.grasp_box_m=null")
+    return {**options, "start_objects": suite.object_position}
+
+
 @contextmanager
 def using_sampler(policy, sampler):
     """Temporarily replace ``policy.sampler`` (no-op when ``sampler`` is None or the policy has none)."""
@@ -184,6 +202,7 @@ def imagination_chunk_env(world_model: str, critic: str, num_envs: int, imaginat
         if v in (None, "", "???"):
             raise ValueError(f"env=imagination needs env.{k}=PATH (a {k} checkpoint folder)")
     kw = OmegaConf.to_container(imagination, resolve=True) if OmegaConf.is_config(imagination) else dict(imagination or {})
+    kw = with_start_objects(kw, labels.get("suite"))
     if int(replicas) > 1:
         import functools
 

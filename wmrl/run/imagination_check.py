@@ -30,6 +30,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         make_sim_env,
         rl_policy,
         train_n_init,
+        with_start_objects,
     )
 
     suite_cfg = OmegaConf.to_container(cfg.suite, resolve=True)
@@ -49,12 +50,14 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
                              seed=int(cfg.seed))(0)
     sim_env = make_sim_env(int(cfg.num_envs), suite=suite)        # renders the context frames, then replays
     starts = ContextStarts(None, sim_env).contextualize(starts)
-    kw = OmegaConf.to_container(g.env.get("imagination"), resolve=True) or {}
+    kw = with_start_objects(OmegaConf.to_container(g.env.get("imagination"), resolve=True) or {}, suite)
     imag = make_imagination_env(str(ctx.path(g.env.world_model)), str(ctx.path(g.env.critic)), len(starts) * group,
                                 seed=int(cfg.seed), device=str(cfg.device), **kw)
     r = replay_check(imag, sim_env, policy, starts, group, int(g.max_chunks),
                      generator=torch.Generator().manual_seed(int(cfg.seed)), progress=True)
     r["sampler"] = repr(policy.sampler)  # the RL sampler, or the latent-noise steering's
+    r["grasp_misses"] = int(imag.grasp_misses)   # closes the grasp box judged misses
+    r["halted"] = int(imag.halted)               # slots the uncertainty gate halted
     _log_verdict(r)
     return r
 

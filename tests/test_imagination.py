@@ -466,3 +466,20 @@ def test_reopening_the_gripper_clears_a_miss():
     assert not missed[0]
     step(0.5, 1)                          # closes on the object
     assert not missed[0]
+
+
+def test_a_slot_truncates_at_its_tasks_step_limit():
+    """The sim truncates an episode at its task's control-step limit; imagination ends the slot after
+    the last chunk that fits whole within it (10 steps, chunks of 4: after 2 chunks), never later
+    than ``max_chunks``."""
+    limits = {"short": 10, "long": 1000}
+    env = ImaginationEnv(CounterWorldModel(), LevelCritic(), num_envs=2, max_chunks=4, auto_reset=False,
+                         max_steps=lambda t: limits[t])
+    env.reset([level_start(0, "short"), level_start(0, "long")])
+    r1 = env.step(chunk([0, 0]))
+    r2 = env.step(chunk([0, 0]))
+    assert r1.truncated.tolist() == [False, False] and r2.truncated.tolist() == [True, False]
+    env.step(chunk([0, 0]))
+    r4 = env.step(chunk([0, 0]))
+    assert r4.truncated.tolist() == [False, True]          # max_chunks
+    assert r4.steps_executed.tolist() == [0, 4]

@@ -373,11 +373,13 @@ def test_object_position_is_the_task_objects_place_in_the_base_frame(suite):
 
 def test_a_grasp_box_needs_a_suite_that_locates_objects(suite):
     from wmrl.kernel.interfaces import ObjectLocatingSuite
-    from wmrl.run.builders import with_start_objects
+    from wmrl.run.builders import with_suite
 
     opts = {"proprio_success": {"tasks": ["lift_red"], "grasp_box_m": [0.035, 0.03, 0.02]}}
     assert isinstance(suite, ObjectLocatingSuite)
-    assert with_start_objects(opts, suite)["start_objects"] == suite.object_position
-    assert "start_objects" not in with_start_objects({"proprio_success": {"tasks": ["lift_red"]}}, suite)
+    assert with_suite(opts, suite)["start_objects"] == suite.object_position
+    assert with_suite(opts, suite)["max_steps"] == suite.max_steps          # the tasks' step limits
+    assert "max_steps" not in with_suite({"task_step_limits": False}, suite)
+    assert "start_objects" not in with_suite({"proprio_success": {"tasks": ["lift_red"]}}, suite)
     with pytest.raises(ValueError, match="grasp_box_m=null"):
-        with_start_objects(opts, object())
+        with_suite({**opts, "task_step_limits": False}, object())

@@ -181,6 +181,8 @@ class ImaginationEnv:
         proprio_success: a :class:`ProprioLiftRule` (or ``None``): see the module docstring.
         halt_uncertainty: threshold on the world model's ``uncertainty`` (its units, m for the
             dynamics ensemble) above which a slot halts; ``None``: never.
+        max_steps: ``task name -> int``: the task's control-step limit (``Suite.max_steps``); a slot
+            truncates after the last chunk that fits whole within it. ``None``: ``max_chunks`` only.
         start_objects: ``Start -> float (3,) | None``: the position (m, robot base frame) of the
             start's task object, for the rule's grasp box (``sim.suite.Suite.object_position``
             reads it from the start's init state); ``None`` (or a ``None`` result): unknown, no box.
@@ -194,7 +196,8 @@ class ImaginationEnv:
                  success_threshold: float = 0.5, success_bonus: float = 1.0, progress_scale: float = 1.0,
                  auto_reset: bool = True, success_patience: int = 1, next_start: Callable[[int], Start] | None = None,
                  seed: int | None = 0, action_dim: int | None = None, proprio_success: ProprioLiftRule | None = None,
-                 halt_uncertainty: float | None = None, start_objects: Callable[[Start], object] | None = None):
+                 halt_uncertainty: float | None = None, start_objects: Callable[[Start], object] | None = None,
+                 max_steps: Callable[[str], int] | None = None):
         if int(num_envs) < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         if int(max_chunks) < 1:
@@ -226,6 +229,8 @@ class ImaginationEnv:
         self._z_low = np.zeros(self.num_envs)
         self._held = np.zeros(self.num_envs, dtype=bool)
         self.start_objects = start_objects
+        self.max_steps = max_steps
+        self._step_limit = np.full(self.num_envs, np.iinfo(np.int64).max, dtype=np.int64)
         self._objects = np.full((self.num_envs, 3), np.nan)
         self._missed = np.zeros(self.num_envs, dtype=bool)
         self.grasp_misses = 0   # closes the grasp box judged misses (proprio_success.grasp_box_m)
@@ -265,6 +270,8 @@ class ImaginationEnv:
             self._closed[b] = 0
             self._held[b] = False
             self._missed[b] = False
+            if self.max_steps is not None:
+                self._step_limit[b] = int(self.max_steps(s.task_name))
             pos = None if self.start_objects is None else self.start_objects(s)
             self._objects[b] = np.nan if pos is None else np.asarray(pos, dtype=np.float64).reshape(3)
             self._finished[b] = False
@@ -359,7 +366,8 @@ class ImaginationEnv:
         reward = torch.where(running & ~halted, reward, torch.zeros_like(reward))
         self._chunks += (~was_finished).astype(np.int64)
         term = succ.numpy() | halted.numpy()
-        trunc = (~term) & (self._chunks >= self.max_chunks) & ~was_finished
+        out_of_steps = (self._chunks + 1) * H > self._step_limit      # the next chunk would not fit
+        trunc = (~term) & ((self._chunks >= self.max_chunks) | out_of_steps) & ~was_finished
         done = term | trunc
         nexec = np.where(was_finished, 0, H).astype(np.int64)
         self._progress = torch.where(running, prog, self._progress)

@@ -75,17 +75,23 @@ def make_imagination_env(world_model: str, critic: str, num_envs: int, seed: int
     return ImaginationEnv(wm, cr, num_envs=int(num_envs), seed=int(seed), **kwargs)
 
 
-def with_start_objects(options: dict, suite) -> dict:
-    """``options`` of an ImaginationEnv plus ``start_objects=suite.object_position`` when its
-    ``proprio_success`` has a ``grasp_box_m`` (the box needs where each start's object is).
+def with_suite(options: dict, suite) -> dict:
+    """``options`` of an ImaginationEnv completed from the ``suite`` it imagines: ``max_steps=
+    suite.max_steps`` (the tasks' step limits, unless ``task_step_limits: false`` or no suite), and
+    ``start_objects=suite.object_position`` when ``proprio_success`` has a ``grasp_box_m`` (the box
+    needs where each start's object is).
 
     Raises:
-        ValueError: a grasp box without a suite, or with a suite that cannot say where objects are."""
+        ValueError: a grasp box without a suite, or with a suite that cannot say where objects are.
+    """
+    from wmrl.kernel.interfaces import ObjectLocatingSuite
+
+    options = dict(options)
+    if options.pop("task_step_limits", True) and suite is not None:
+        options["max_steps"] = suite.max_steps
     rule = options.get("proprio_success") or {}
     if not (isinstance(rule, dict) and rule.get("tasks") and rule.get("grasp_box_m") is not None):
         return options
-    from wmrl.kernel.interfaces import ObjectLocatingSuite
-
     if not isinstance(suite, ObjectLocatingSuite):
         raise ValueError(f"proprio_success.grasp_box_m needs a suite that says where each start's object is "
                          f"(the ObjectLocatingSuite capability); {type(suite).__name__} does not: set "
@@ -202,7 +208,7 @@ def imagination_chunk_env(world_model: str, critic: str, num_envs: int, imaginat
         if v in (None, "", "???"):
             raise ValueError(f"env=imagination needs env.{k}=PATH (a {k} checkpoint folder)")
     kw = OmegaConf.to_container(imagination, resolve=True) if OmegaConf.is_config(imagination) else dict(imagination or {})
-    kw = with_start_objects(kw, labels.get("suite"))
+    kw = with_suite(kw, labels.get("suite"))
     if int(replicas) > 1:
         import functools
 

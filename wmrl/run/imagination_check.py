@@ -30,7 +30,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         make_sim_env,
         rl_policy,
         train_n_init,
-        with_start_objects,
+        with_suite,
     )
 
     suite_cfg = OmegaConf.to_container(cfg.suite, resolve=True)
@@ -50,7 +50,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
                              seed=int(cfg.seed))(0)
     sim_env = make_sim_env(int(cfg.num_envs), suite=suite)        # renders the context frames, then replays
     starts = ContextStarts(None, sim_env).contextualize(starts)
-    kw = with_start_objects(OmegaConf.to_container(g.env.get("imagination"), resolve=True) or {}, suite)
+    kw = with_suite(OmegaConf.to_container(g.env.get("imagination"), resolve=True) or {}, suite)
     imag = make_imagination_env(str(ctx.path(g.env.world_model)), str(ctx.path(g.env.critic)), len(starts) * group,
                                 seed=int(cfg.seed), device=str(cfg.device), **kw)
     r = replay_check(imag, sim_env, policy, starts, group, int(g.max_chunks),

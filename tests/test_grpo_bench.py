@@ -23,3 +23,32 @@ def test_compare_uses_common_best_and_ratio():
     assert res["ratio_sim_over_imagination"] == 10.0 and res["iteration_time_ratio"] == 10.0
     flat = compare({"imagination": _run(1.0, [0.2, 0.2]), "sim": _run(3.0, [0.2, 0.1])})
     assert flat["target_success"] is None and flat["ratio_sim_over_imagination"] is None
+
+
+def _bench_cfg(*overrides):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="configs", version_base="1.3"):
+        return compose("bench_grpo", overrides=["checkpoint=/r/bc", "wm_checkpoint=/r/wm", "critic_checkpoint=/r/critic",
+                                                *overrides])
+
+
+def test_each_run_gets_the_common_settings_deep_merged_with_its_own_recipe():
+    import pytest
+    from wmrl.run.bench_grpo import run_overrides
+
+    cfg = _bench_cfg("store=/r/mixed.zarr", "post_train.evaluation.episodes_per_task=7")
+    im, sim = run_overrides(cfg, "imagination"), run_overrides(cfg, "sim")
+    # common keys reach both; a per-run key replaces only its own leaf
+    assert im["evaluation"] == {"every": 5, "episodes_per_task": 7}
+    assert sim["evaluation"] == {"every": 8, "episodes_per_task": 7}
+    assert im["rl_sampler"] == sim["rl_sampler"] == {"noise_level": 0.3, "noise_steps": 3}
+    assert im["checkpoint"] == sim["checkpoint"] == "/r/bc"
+    # imagination: world model, critic and keyframe store; the sim: filtered BC without a policy-gradient step
+    assert (im["env"]["world_model"], im["env"]["critic"], im["starts"]["store"]) == ("/r/wm", "/r/critic", "/r/mixed.zarr")
+    assert im["env"]["num_envs"] == 72 and im["grpo"]["epochs"] == 1
+    assert "world_model" not in sim.get("env", {}) and sim["grpo"] == {"epochs": 0}
+    assert sim["distill"]["balance_tasks"] is True
+    with pytest.raises(ValueError, match="store="):
+        run_overrides(_bench_cfg(), "imagination")
+    assert "store" not in run_overrides(_bench_cfg("imagination.starts.keyframes_per_task=0"), "imagination")["starts"]

@@ -1,8 +1,9 @@
 """``wmrl bench grpo``: wall-clock time of GRPO in imagination and of GRPO in the simulator to reach the
 same real-sim success, and their ratio.
 
-Both runs start from the same policy checkpoint with the same GRPO settings (``configs/bench_grpo.yaml``:
-``post_train`` overrides common to both, plus per-env overrides), are evaluated on the same held-out
+Both runs start from the same policy checkpoint (``configs/bench_grpo.yaml``: ``post_train`` overrides
+common to both, deep-merged with per-env overrides; by default the pipeline's GRPO in imagination and
+iterated filtered BC with task-balanced batches in the sim, issue 21's recipes), are evaluated on the same held-out
 init states every ``evaluation.every`` iterations, and the time counted is the training time
 (rollouts + updates; evaluation excluded) until the first evaluation at or above the target success.
 The target is ``target_success`` if given, else the lower of the two runs' best real-sim success
@@ -56,22 +57,35 @@ def compare(runs: dict[str, dict], target: float | None = None) -> dict[str, Any
     return out
 
 
+def run_overrides(cfg: DictConfig, env_name: str, path=lambda p: p) -> dict[str, Any]:
+    """The ``post_train`` overrides of one of the two runs: ``cfg.post_train`` deep-merged with
+    ``cfg[env_name]`` (``"imagination"`` or ``"sim"``), plus the checkpoints; the imagination run also
+    gets the world model, the critic and ``cfg.store`` for its keyframe starts. ``path`` resolves
+    paths (the run context's). Raises ``ValueError`` when the imagination run asks for keyframe starts
+    and no ``store`` is given."""
+    base = OmegaConf.create({"seed": cfg.seed, "num_threads": cfg.num_threads, "device": cfg.device,
+                             "checkpoint": str(path(cfg.checkpoint))})
+    over = OmegaConf.merge(base, cfg.get("post_train") or {}, cfg.get(env_name) or {})
+    if env_name == "imagination":
+        over = OmegaConf.merge(over, {"env": {"world_model": str(path(cfg.wm_checkpoint)),
+                                              "critic": str(path(cfg.critic_checkpoint))}})
+        if cfg.get("store"):
+            over = OmegaConf.merge(over, {"starts": {"store": str(path(cfg.store))}})
+        elif OmegaConf.select(over, "starts.keyframes_per_task", default=0) and not OmegaConf.select(over, "starts.store"):
+            raise ValueError("wmrl bench grpo: the imagination run starts from keyframes "
+                             f"(imagination.starts.keyframes_per_task={over.starts.keyframes_per_task}) but no store is "
+                             "given: add store=<pipeline run>/bc_rollouts/demos_and_rollouts.zarr, or "
+                             "imagination.starts.keyframes_per_task=0")
+    return OmegaConf.to_container(over, resolve=True)
+
+
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from wmrl.run import grpo_job
     from wmrl.run.stages import compose_stage_config
 
-    def _c(x):
-        return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else (x or {})
-
-    common = {"seed": cfg.seed, "num_threads": cfg.num_threads, "device": cfg.device, "checkpoint": str(ctx.path(cfg.checkpoint)),
-              **_c(cfg.post_train)}
     reports = {}
     for env_name in ("imagination", "sim"):
-        over = {**common, **_c(cfg.get(env_name))}
-        if env_name == "imagination":
-            over.setdefault("env", {})
-            over["env"] = {**_c(over["env"]), "world_model": str(ctx.path(cfg.wm_checkpoint)),
-                           "critic": str(ctx.path(cfg.critic_checkpoint))}
+        over = run_overrides(cfg, env_name, ctx.path)
         sub_cfg = compose_stage_config("post_train", over, groups=[f"env={env_name}"])
         sub = ctx.child(env_name, sub_cfg)
         rep = grpo_job.run(sub_cfg, sub)

@@ -35,6 +35,8 @@ def _bench_cfg(*overrides):
 
 def test_each_run_gets_the_common_settings_deep_merged_with_its_own_recipe():
     import pytest
+    from omegaconf import OmegaConf
+
     from wmrl.run.bench_grpo import run_overrides
 
     cfg = _bench_cfg("store=/r/mixed.zarr", "post_train.evaluation.episodes_per_task=7")
@@ -47,8 +49,14 @@ def test_each_run_gets_the_common_settings_deep_merged_with_its_own_recipe():
     # imagination: world model, critic and keyframe store; the sim: filtered BC without a policy-gradient step
     assert (im["env"]["world_model"], im["env"]["critic"], im["starts"]["store"]) == ("/r/wm", "/r/critic", "/r/mixed.zarr")
     assert im["env"]["num_envs"] == 72 and im["grpo"]["epochs"] == 1
+    # the imagination recipe is the pipeline's GRPO stage, read from configs/pipeline.yaml, not a copy of it
+    from wmrl.run.stages import compose_stage_config
+    stage = OmegaConf.to_container(compose_stage_config("pipeline").stages.grpo, resolve=True)
+    assert im["env"]["imagination"] == stage["env"]["imagination"] and im["grpo"] == stage["grpo"]
+    assert (im["iterations"], im["lr"], im["starts"]["keyframes_per_task"]) == (stage["iterations"], stage["lr"], 2)
+    assert im["checkpoint_every"] == 0   # the bench's own setting wins over the stage's
     assert "world_model" not in sim.get("env", {}) and sim["grpo"] == {"epochs": 0}
     assert sim["distill"]["balance_tasks"] is True
     with pytest.raises(ValueError, match="store="):
         run_overrides(_bench_cfg(), "imagination")
-    assert "store" not in run_overrides(_bench_cfg("imagination.starts.keyframes_per_task=0"), "imagination")["starts"]
+    assert "store" not in run_overrides(_bench_cfg("imagination={starts: {keyframes_per_task: 0}}"), "imagination")["starts"]

@@ -58,14 +58,20 @@ def compare(runs: dict[str, dict], target: float | None = None) -> dict[str, Any
 
 
 def run_overrides(cfg: DictConfig, env_name: str, path=lambda p: p) -> dict[str, Any]:
-    """The ``post_train`` overrides of one of the two runs: ``cfg.post_train`` deep-merged with
-    ``cfg[env_name]`` (``"imagination"`` or ``"sim"``), plus the checkpoints; the imagination run also
+    """The ``post_train`` overrides of one of the two runs: for the imagination run with
+    ``cfg.pipeline_grpo``, ``configs/pipeline.yaml``'s ``stages.grpo``; over it ``cfg.post_train`` and
+    ``cfg[env_name]`` (``"imagination"`` or ``"sim"``), deep-merged, plus the checkpoints; the imagination run also
     gets the world model, the critic and ``cfg.store`` for its keyframe starts. ``path`` resolves
     paths (the run context's). Raises ``ValueError`` when the imagination run asks for keyframe starts
     and no ``store`` is given."""
     base = OmegaConf.create({"seed": cfg.seed, "num_threads": cfg.num_threads, "device": cfg.device,
                              "checkpoint": str(path(cfg.checkpoint))})
-    over = OmegaConf.merge(base, cfg.get("post_train") or {}, cfg.get(env_name) or {})
+    recipe = {}
+    if env_name == "imagination" and cfg.get("pipeline_grpo"):
+        from wmrl.run.stages import compose_stage_config
+
+        recipe = compose_stage_config("pipeline").stages.grpo
+    over = OmegaConf.merge(base, recipe, cfg.get("post_train") or {}, cfg.get(env_name) or {})
     if env_name == "imagination":
         over = OmegaConf.merge(over, {"env": {"world_model": str(path(cfg.wm_checkpoint)),
                                               "critic": str(path(cfg.critic_checkpoint))}})
@@ -75,7 +81,7 @@ def run_overrides(cfg: DictConfig, env_name: str, path=lambda p: p) -> dict[str,
             raise ValueError("wmrl bench grpo: the imagination run starts from keyframes "
                              f"(imagination.starts.keyframes_per_task={over.starts.keyframes_per_task}) but no store is "
                              "given: add store=<pipeline run>/bc_rollouts/demos_and_rollouts.zarr, or "
-                             "imagination.starts.keyframes_per_task=0")
+                             "imagination={starts: {keyframes_per_task: 0}}")
     return OmegaConf.to_container(over, resolve=True)
 
 

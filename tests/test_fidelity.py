@@ -85,3 +85,19 @@ def test_replay_check_with_the_sim_as_imagination_agrees_exactly(expert_episode)
     assert r["n"] == 2 and r["imagined_success"] == 0.5 and r["replayed_success"] == 0.5
     assert r["agreement"] == 1.0 and r["pairs"] == 1 and r["pair_accuracy"] == 1.0
     assert r["per_task"] == {"lift_red": {"imagined": 0.5, "replayed": 0.5, "n": 2}}
+    assert (r["imagined_successes"], r["replayed_successes"], r["both_successes"]) == (1, 1, 1)
+    assert list(r["per_start_kind"]) == ["init"] and r["per_start_kind"]["init"]["n"] == 2
+
+
+def test_replay_check_reports_keyframe_starts_apart(expert_episode):
+    # a start cut from a stored episode (episode/step set, as wmrl.rl.starts.starts_from_store makes
+    # them) is counted under "keyframe"; here from the episode's step 0, so the expert still succeeds
+    suite, ep = expert_episode
+    kf = Start(task_name="lift_red", instruction=ep.instruction, sim_state=ep.sim_states[0], split="train",
+               episode=0, step=0)
+    good = _chunks(ep.actions)
+    r = replay_check(suite.make_env(2), suite.make_env(1), _ScriptedPolicy(good), [kf], group_size=2,
+                     max_chunks=len(good) + 2)
+    assert list(r["per_start_kind"]) == ["keyframe"]
+    k = r["per_start_kind"]["keyframe"]
+    assert (k["n"], k["imagined_successes"], k["precision"], k["pair_accuracy"]) == (2, 1, 1.0, 1.0)

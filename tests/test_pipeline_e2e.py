@@ -11,8 +11,9 @@ import pytest
 def test_pipeline_debug_preset_end_to_end(tmp_path):
     from wmrl.run import pipeline
     from wmrl.run.common import RunContext
+    from wmrl.run.stages import compose_stage_config
 
-    cfg = pipeline.compose_stage_config("pipeline", {"preset": "debug", "num_threads": 1})
+    cfg = compose_stage_config("pipeline", {"preset": "debug", "num_threads": 1})
     ctx = RunContext(cfg, out_dir=tmp_path)
     rep = pipeline.run(cfg, ctx)
     stages = ["collect", "bc", "bc_rollouts", "worldmodel", "critic", "imagination_check", "eval_before", "grpo",
@@ -29,9 +30,11 @@ def test_pipeline_debug_preset_end_to_end(tmp_path):
         assert open(p, "rb").read(4) == b"\x89PNG"
     assert len(rep["videos"]) == 4 and all(v.endswith(".mp4") for v in rep["videos"])
     assert (tmp_path / "grpo" / "checkpoints" / "last" / "model.safetensors").is_file()
-    # imagination check: 2 tasks x 1 start x group of 2, imagined and replayed in the sim
+    # imagination check: 2 tasks x (1 init-state start + 1 keyframe of the run's store) x group of 2,
+    # imagined and replayed in the sim
     fid = rep["imagination_check"]
-    assert fid["n"] == 4 and fid["groups"] == 2 and set(fid["per_task"]) == {"lift_red", "push_red_to_target"}
+    assert fid["n"] == 8 and fid["groups"] == 4 and set(fid["per_task"]) == {"lift_red", "push_red_to_target"}
+    assert {k: v["n"] for k, v in fid["per_start_kind"].items()} == {"init": 4, "keyframe": 4}
     assert 0 <= fid["imagined_success"] <= 1 and 0 <= fid["replayed_success"] <= 1
     # the debug preset refreshes the world model once (after GRPO iteration 1 of 2) on real rollouts
     rounds = rep["grpo"]["refresh"]["rounds"]

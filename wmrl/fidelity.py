@@ -120,7 +120,10 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
 
     Returns:
         ``{"imagined_success", "replayed_success", "n", "per_task": {task: {"imagined", "replayed",
-        "n"}}, **ranking_stats(...)}`` (see :func:`ranking_stats`).
+        "n"}}, "per_start_kind": {"init" | "keyframe": {"imagined", "replayed", "n", "imagined_successes",
+        **ranking_stats(...)}}, "imagined_successes", "replayed_successes", "both_successes",
+        **ranking_stats(...)}`` (see :func:`ranking_stats`); a start with ``episode`` set is a keyframe
+        of a stored episode (``wmrl.rl.starts.starts_from_store``), any other an init state.
     """
     rollouts = collect_groups(imagination_env, policy, starts, group_size, max_chunks, generator=generator,
                               progress=progress)
@@ -143,5 +146,15 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
         m = np.asarray([x == t for x in tasks])
         per_task[t] = {"imagined": float(imagined_a[m].mean()), "replayed": float(replayed[m].mean()),
                        "n": int(m.sum())}
+    kinds = np.asarray(["keyframe" if s.episode is not None else "init" for s in seq_starts])
+    per_kind = {}
+    for k in ("init", "keyframe"):
+        m = kinds == k
+        if m.any():
+            per_kind[k] = {"imagined": float(imagined_a[m].mean()), "replayed": float(replayed[m].mean()),
+                           "n": int(m.sum()), "imagined_successes": int(imagined_a[m].sum()),
+                           **ranking_stats(imagined_a[m], replayed[m], gids_a[m])}
     return {"imagined_success": float(imagined_a.mean()), "replayed_success": float(replayed.mean()),
-            "n": int(len(imagined_a)), "per_task": per_task, **ranking_stats(imagined_a, replayed, gids_a)}
+            "n": int(len(imagined_a)), "imagined_successes": int(imagined_a.sum()),
+            "replayed_successes": int(replayed.sum()), "both_successes": int((imagined_a & replayed).sum()),
+            "per_task": per_task, "per_start_kind": per_kind, **ranking_stats(imagined_a, replayed, gids_a)}

@@ -1,6 +1,7 @@
 """``wmrl imagination-check``: before GRPO, does a world model + critic rank a policy's rollouts like
 the sim? The policy (with GRPO's RL sampler or latent-noise steering) is rolled out in imagination in
-groups from GRPO's first train init states, and the same actions are replayed open loop in the sim
+groups from GRPO's first train init states (and, with ``keyframes_per_task``, from keyframes of GRPO's
+``starts.store`` as GRPO draws them), and the same actions are replayed open loop in the sim
 (:func:`wmrl.fidelity.replay_check`). The pipeline's ``imagination_check`` stage.
 
 Report: imagined and replayed success, within-group pair accuracy, precision of imagined successes,
@@ -22,7 +23,7 @@ log = logging.getLogger("wmrl.imagination_check")
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict:
     from wmrl.fidelity import replay_check
-    from wmrl.rl.starts import ContextStarts, InitStateStarts
+    from wmrl.rl.starts import ContextStarts, InitStateStarts, KeyframeStarts
     from wmrl.run.builders import (
         build_suite,
         load_policy,
@@ -46,10 +47,23 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         policy.sampler = rl_sampler
     group = int(g.group_size)
     n_init = train_n_init(OmegaConf.create({"n_init": g.get("n_init")}), suite, tasks)
-    starts = InitStateStarts(tasks, n_init=n_init, per_task=int(cfg.starts_per_task), split="train",
-                             seed=int(cfg.seed))(0)
+    per_task, keyframes = int(cfg.starts_per_task), int(cfg.get("keyframes_per_task") or 0)
+    if per_task < 0 or keyframes < 0 or per_task + keyframes == 0:
+        raise ValueError(f"the imagination check needs starts: starts_per_task={per_task} and keyframes_per_task="
+                         f"{keyframes} (both >= 0, at least one > 0)")
+    if keyframes and not cfg.get("store"):
+        raise ValueError("keyframes_per_task > 0 needs store=<EpisodeStore with sim states> (GRPO's starts.store, "
+                         "e.g. the pipeline's bc_rollouts/demos_and_rollouts.zarr)")
     sim_env = make_sim_env(int(cfg.num_envs), suite=suite)        # renders the context frames, then replays
-    starts = ContextStarts(None, sim_env).contextualize(starts)
+    starts = []
+    if per_task:
+        starts = InitStateStarts(tasks, n_init=n_init, per_task=per_task, split="train", seed=int(cfg.seed))(0)
+        starts = ContextStarts(None, sim_env).contextualize(starts)
+    if keyframes:   # mid-episode real frames with their MuJoCo states, drawn as GRPO draws its keyframe starts
+        kf = KeyframeStarts(ctx.path(cfg.store), tasks, keyframes, seed=int(cfg.seed))(0)
+        if any(s.sim_state is None for s in kf):
+            raise ValueError(f"store {cfg.store} holds no sim states: its keyframes cannot be replayed in the sim")
+        starts = list(starts) + kf
     kw = with_suite(OmegaConf.to_container(g.env.get("imagination"), resolve=True) or {}, suite)
     imag = make_imagination_env(str(ctx.path(g.env.world_model)), str(ctx.path(g.env.critic)), len(starts) * group,
                                 seed=int(cfg.seed), device=str(cfg.device), **kw)

@@ -233,7 +233,8 @@ def work_units(cfg: DictConfig, suite=None) -> dict[str, dict[str, float]]:
         "bc_rollouts": (int(br.episodes_per_task) * len(tasks) * int(br.max_steps), ("sim_step_s",)),
         "worldmodel": (int(wm.train.steps), ("wm_step_s",)),
         "critic": (int(cr.train.steps), ("critic_step_s",)),
-        "imagination_check": (int(ic.get("starts_per_task", 0) or 0) * len(tasks) * int(g.grpo.group_size) * chunk,
+        "imagination_check": ((int(ic.get("starts_per_task", 0) or 0) + int(ic.get("keyframes_per_task", 0) or 0))
+                              * len(tasks) * int(g.grpo.group_size) * chunk,
                               ("imagine_per_rollout_s", "policy_sde_per_rollout_s")),
         "eval_before": (int(ev.episodes_per_task) * sum(limits), ("sim_step_s",)),
         "grpo": (int(g.iterations) * int(g.env.num_envs) * chunk, ("imagine_per_rollout_s", "policy_sde_per_rollout_s")),

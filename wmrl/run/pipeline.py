@@ -11,7 +11,7 @@ each is a ``run(cfg, ctx)`` of its entry-point module, called in process):
    the critic also on frames of this world model, ``stages.critic.imagined``)
 5. ``imagination_check``  the BC policy's imagined rollouts (GRPO's groups, sampler and horizon)
    replayed open loop in the sim: does imagination reward actions that work? (``wmrl.fidelity``;
-   ``imagination_check.starts_per_task=0`` skips it)
+   ``imagination_check.starts_per_task=0 imagination_check.keyframes_per_task=0`` skips it)
 6. ``eval_before``  real-sim success of the BC policy on the held-out (eval) init states
 7. ``grpo``         GRPO in imagination (``wmrl post-train env=imagination``)
 8. ``eval_after``   real-sim success of the post-trained policy on the same held-out init states
@@ -159,7 +159,8 @@ def _start(cfg: DictConfig, ctx: RunContext) -> tuple[_Job, dict | None]:
 
 
 def _checks_fidelity(cfg: DictConfig) -> bool:
-    return int((cfg.get("imagination_check") or {}).get("starts_per_task", 0) or 0) > 0
+    c = cfg.get("imagination_check") or {}
+    return int(c.get("starts_per_task", 0) or 0) + int(c.get("keyframes_per_task", 0) or 0) > 0
 
 
 def _bc_rollouts(job: _Job, demos: Path, bc_ckpt: Path, scfg: DictConfig) -> dict:
@@ -247,7 +248,10 @@ def _imagination_check(job: _Job, gcfg: DictConfig, bc_ckpt: Path) -> dict | Non
     used = {"rl_sampler": gcfg.get("rl_sampler"), "steer": gcfg.get("steer"), "group_size": gcfg.grpo.group_size,
             "max_chunks": gcfg.grpo.max_chunks, "n_init": gcfg.starts.get("n_init"),
             "env": {k: gcfg.env.get(k) for k in ("world_model", "critic", "imagination")}}
-    c = OmegaConf.create({**job.common, **to_container(job.cfg.imagination_check), "grpo": to_container(used),
+    check = to_container(job.cfg.imagination_check)
+    if int(check.get("keyframes_per_task") or 0) > 0:   # keyframes of the store GRPO draws its own from
+        check["store"] = gcfg.starts.get("store")
+    c = OmegaConf.create({**job.common, **check, "grpo": to_container(used),
                           "checkpoint": str(bc_ckpt), "suite": job.suite_cfg, "tasks": list(job.tasks)})
     return job.run_entry("imagination_check", c, module="imagination_check")
 

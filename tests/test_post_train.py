@@ -74,9 +74,9 @@ def test_post_train_with_a_chunk_value_runs_and_resumes(tmp_path):
         post_train.run(cfg3, RunContext(cfg3, out_dir=tmp_path / "plain"))
 
 
-def test_distillation_in_imagination_is_refused_until_the_uncertainty_gate_exists(tmp_path):
+def test_distillation_in_imagination_is_refused(tmp_path):
     cfg = OmegaConf.merge(_cfg(tmp_path), {"distill": {"every": 1, "steps": 1, "batch_size": 2, "lr": 1e-4}})
-    with pytest.raises(ValueError, match="uncertainty gate"):
+    with pytest.raises(ValueError, match="env=sim only"):
         post_train.run(cfg, RunContext(cfg, out_dir=tmp_path / "run"))
 
 

@@ -246,9 +246,10 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         from wmrl.rl.distill import Distiller, SuccessBuffer
 
         if str(cfg.env.get("name", "")) == "imagination":
-            raise ValueError("distill.every > 0 in imagination would teach the flow imagined successes that may not "
-                             "replay; it needs the world model's uncertainty gate (issue #20), which is not built yet: "
-                             "distill with env=sim, or set distill.every=0")
+            raise ValueError("distill.every > 0 in imagination would teach the flow world-model frames and imagined "
+                             "successes, about 3 in 10 of which do not replay in the sim (the imagination check's "
+                             "precision, docs/measurements.md); distillation runs with env=sim only: distill with "
+                             "env=sim, or set distill.every=0")
         buffer = SuccessBuffer(int(dcfg.buffer)) if int(dcfg.get("buffer", 0) or 0) > 0 else None
         hooks.distill = loop.DistillHook(Distiller(steps=int(dcfg.steps), batch_size=int(dcfg.batch_size),
                                                    lr=float(dcfg.lr), buffer=buffer,

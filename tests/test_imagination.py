@@ -424,7 +424,8 @@ def test_grasp_box_turns_a_close_away_from_the_object_into_a_miss():
     assert env.grasp_misses == 1          # the miss is counted once, not per chunk it lasts
     env.reset(starts)                     # a reset clears the miss; the next close is judged afresh
     env.step(arm_chunk([0] * 3, z=[0.0] * 3, gap=[0.08] * 3, grip=[-1] * 3))
-    r = env.step(arm_chunk([0] * 3, z=[0.0] * 3, gap=[0.04] * 3, grip=[1] * 3))   # at x = y = 2: every known object off
+    env.step(arm_chunk([0] * 3, z=[0.0] * 3, gap=[0.08] * 3, grip=[-1] * 3))
+    r = env.step(arm_chunk([0] * 3, z=[0.0] * 3, gap=[0.04] * 3, grip=[1] * 3))   # from x = y = 2 to 3: every known object off
     assert env.grasp_misses == 3
     with pytest.raises(ValueError, match="3 positive lengths"):
         ProprioLiftRule(["lift"], grasp_box_m=(0.03, 0.03))
@@ -466,6 +467,26 @@ def test_reopening_the_gripper_clears_a_miss():
     assert not missed[0]
     step(0.5, 1)                          # closes on the object
     assert not missed[0]
+
+
+def test_a_start_with_the_object_in_the_hand_is_not_a_miss_when_the_arm_carries_it_away():
+    """A keyframe start mid-lift: the gripper is commanded closed from the chunk's first step with the
+    end effector on the object, and the chunk raises it 5 cm (its end is off the box in z). The close
+    began on the object: no miss, and the hold counts. A chunk closed from its first step that is off
+    the object at both ends is still a miss."""
+    from wmrl.imagination import ProprioLiftRule
+
+    rule = ProprioLiftRule(["lift"], closed_steps=4, grasp_box_m=(0.03, 0.03, 0.02))
+    obj = np.array([[0.5, 0.0, 0.0], [0.6, 0.0, 0.0]])
+    closed, z_low, held, missed = np.zeros(2, int), np.zeros(2), np.zeros(2, bool), np.zeros(2, bool)
+    p0, p1 = torch.zeros(2, 9), torch.zeros(2, 9)
+    p0[:, 0] = p1[:, 0] = 0.5
+    p1[:, 2] = 0.05
+    p0[:, 7] = p1[:, 7] = 0.02
+    p0[:, 8] = p1[:, 8] = -0.02
+    a = torch.ones(2, 8, 5)
+    rule.update(closed, z_low, p0, p1, a, held, ["lift", "lift"], missed=missed, objects=obj)
+    assert missed.tolist() == [False, True] and held.tolist() == [True, False]
 
 
 def test_a_slot_truncates_at_its_tasks_step_limit():

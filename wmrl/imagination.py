@@ -59,8 +59,10 @@ class ProprioLiftRule:
     wrong (every imagined lift that failed in the sim on the seed-1 check was a close on nothing read
     as a hold, the imagined arm within 0.2-1 cm of the real one; docs/measurements.md). The arm is
     what it gets right, and objects stay where they are until touched, so the close is also judged
-    geometrically: at the end of the chunk in which the gripper becomes commanded closed, the
-    imagined end effector ``p`` must be within ``|p_x - o_x| <= bx``, ``|p_y - o_y| <= by`` and
+    geometrically: at the end of the chunk in which the gripper becomes commanded closed (or at its
+    start, when the chunk is commanded closed from its first step: a keyframe start with the object
+    already in the hand, which the arm carries away within the chunk), the imagined end effector
+    ``p`` must be within ``|p_x - o_x| <= bx``, ``|p_y - o_y| <= by`` and
     ``p_z - o_z <= bz`` of the task's object ``o`` at the rollout's start (robot base frame, m;
     ``ImaginationEnv``'s ``start_objects``); otherwise the slot's grasp is a *miss* and cannot hold
     until the gripper is commanded open again. An unknown object position (NaN) is never a miss.
@@ -136,7 +138,14 @@ class ProprioLiftRule:
         holding = (closed >= self.closed_steps) & (gap >= self.gap_min_m)
         if missed is not None and objects is not None and self.grasp_box_m is not None:
             closes = g[:, -1] & (was_open | ~whole)    # commanded closed at the chunk's end, opened within or before it
-            missed[:] = np.where(closes, self.box_miss(end[:, :3].double().numpy(), objects), missed & g[:, -1])
+            # judged at the chunk's end; a chunk commanded closed from its first step may also have closed
+            # where it began (a keyframe start with the object already in the hand, carried away within the
+            # chunk): a miss only when its start is off the object too
+            miss = self.box_miss(end[:, :3].double().numpy(), objects)
+            from_first = whole & was_open
+            if from_first.any():
+                miss &= ~from_first | self.box_miss(start[:, :3].double().numpy(), objects)
+            missed[:] = np.where(closes, miss, missed & g[:, -1])
             holding &= ~missed
         lift = holding & (z1 - z_low >= self.rise_min_m)
         release = held & ~g[:, -1]

@@ -302,6 +302,9 @@ def test_an_uncertain_imagined_state_halts_the_slot_with_no_reward():
     assert r.info["halted"].tolist() == [False, True, False]   # slot 2 succeeded (level 110): not halted
     assert r.terminated.tolist() == [False, True, True] and r.reward[1] == 0 and not r.success[1]
     assert r.success[2] and env.halted == 1
+    from wmrl.kernel.interfaces import CountingEnv
+
+    assert isinstance(env, CountingEnv) and env.counters() == {"halted": 1, "grasp_misses": 0}   # what GRPO reports
     with pytest.raises(ValueError, match="UncertainWorldModel"):
         ImaginationEnv(CounterWorldModel(), LevelCritic(), num_envs=1, halt_uncertainty=0.02)
 

@@ -35,6 +35,8 @@ def test_pipeline_debug_preset_end_to_end(tmp_path):
     fid = rep["imagination_check"]
     assert fid["n"] == 8 and fid["groups"] == 4 and set(fid["per_task"]) == {"lift_red", "push_red_to_target"}
     assert {k: v["n"] for k, v in fid["per_start_kind"].items()} == {"init": 4, "keyframe": 4}
+    counters = rep["grpo"]["env_counters"]      # the imagination's halts and grasp-box misses during GRPO
+    assert set(counters) == {"halted", "grasp_misses"} and min(counters.values()) >= 0
     assert 0 <= fid["imagined_success"] <= 1 and 0 <= fid["replayed_success"] <= 1
     # the debug preset refreshes the world model once (after GRPO iteration 1 of 2) on real rollouts
     rounds = rep["grpo"]["refresh"]["rounds"]

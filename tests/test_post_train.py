@@ -41,6 +41,7 @@ def test_post_train_runs_reports_and_resumes(tmp_path):
     rep = post_train.run(cfg, RunContext(cfg, out_dir=out))
     assert [e["iteration"] for e in rep["evals"]] == [0, 2, 4]
     assert rep["before"]["n"] == 10 and set(rep["after"]["per_task"]) == set(TASKS)
+    assert rep["env_counters"] is None          # the toy env declares no CountingEnv capability
     lo, hi = rep["after"]["ci95"]
     assert lo <= rep["after"]["success"] <= hi
     h = rep["history"][-1]

@@ -293,6 +293,11 @@ class ImaginationEnv:
         self._state = fresh
         return obs
 
+    def counters(self) -> dict[str, int]:
+        """``wmrl.kernel.interfaces.CountingEnv``: slots the uncertainty gate halted and closes the grasp
+        box judged misses, since the env was built."""
+        return {"halted": int(self.halted), "grasp_misses": int(self.grasp_misses)}
+
     def rng_streams(self) -> dict[str, torch.Generator]:
         """``wmrl.kernel.interfaces.RandomStreams``: the world model's sampling generator (none when unseeded)."""
         return {} if self.generator is None else {"imagination": self.generator}

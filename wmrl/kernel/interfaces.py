@@ -1,5 +1,5 @@
 """The six role protocols (Policy, ChunkEnv, WorldModel, ProgressCritic, Transport, Suite) and the
-capability protocols (FlowPolicy, SteerableFlowPolicy, SamplerPolicy, SimStateEnv, RandomStreams). Implementations live in the
+capability protocols (FlowPolicy, SteerableFlowPolicy, SamplerPolicy, SimStateEnv, CountingEnv, RandomStreams). Implementations live in the
 component packages and are put together only in ``wmrl/run/`` (the composition roots). Contract
 tests over every implementation: ``tests/test_contracts.py``.
 
@@ -254,6 +254,16 @@ class ObjectLocatingSuite(Protocol):
 
     def object_position(self, start: Start) -> Any:
         """``float64 (3,)`` (m, robot base frame), or ``None`` where the start does not say."""
+
+
+@runtime_checkable
+class CountingEnv(Protocol):
+    """Capability: a ``ChunkEnv`` that counts events a run's report should show (e.g. ``ImaginationEnv``:
+    slots its uncertainty gate halted, closes its grasp box judged misses); ``wmrl post-train`` reports
+    them (``report.json`` ``env_counters``)."""
+
+    def counters(self) -> dict[str, int]:
+        """``{name: count}`` since the env was built (a resumed run counts from its resume)."""
 
 
 @runtime_checkable

@@ -20,7 +20,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from wmrl.kernel.interfaces import RandomStreams, SamplerPolicy
+from wmrl.kernel.interfaces import CountingEnv, RandomStreams, SamplerPolicy
 from wmrl.rl import loop
 from wmrl.rl.debias import OnlineDebiaser, real_rollout_fn_for
 from wmrl.rl.starts import ContextStarts, InitStateStarts, KeyframeStarts, MixedStarts
@@ -189,6 +189,8 @@ def _report(cfg: DictConfig, policy_path, tasks: dict, out: dict, hooks: loop.GR
         "history": out["history"],
         "train_wall_s": float(sum(h["wall_s"] for h in out["history"])),
         "precision": precision_report(env, policy),
+        # e.g. the imagination's uncertainty-gate halts and grasp-box misses over this run's iterations
+        "env_counters": env.counters() if isinstance(env, CountingEnv) else None,
     }
     if evals:
         report["before"], report["after"] = evals[0], evals[-1]

@@ -314,6 +314,7 @@ def _report(job: _Job, paths: dict, res: dict) -> dict[str, Any]:
         "per_task": per_task,
         "grpo": {"iterations": grep.get("iterations"), "mitigations": grep.get("mitigations"),
                  "refresh": grep.get("refresh"), "steer": grep.get("steer"),
+                 "env_counters": grep.get("env_counters"),   # the uncertainty gate's halts, the grasp box's misses
                  "imagined_success_first": history[0].get("success_rate"),
                  "imagined_success_last": history[-1].get("success_rate")},
         "imagination_check": res["fid"],

@@ -249,7 +249,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
 
         if str(cfg.env.get("name", "")) == "imagination":
             raise ValueError("distill.every > 0 in imagination would teach the flow world-model frames and imagined "
-                             "successes, about 3 in 10 of which do not replay in the sim (the imagination check's "
+                             "successes, 3 to 5 in 10 of which do not replay in the sim (the imagination check's "
                              "precision, docs/measurements.md); distillation runs with env=sim only: distill with "
                              "env=sim, or set distill.every=0")
         buffer = SuccessBuffer(int(dcfg.buffer)) if int(dcfg.get("buffer", 0) or 0) > 0 else None

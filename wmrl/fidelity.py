@@ -141,19 +141,14 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
     imagined_a = np.asarray(imagined)
     gids_a = np.asarray(gids)
     tasks = [s.task_name for s in seq_starts]
-    per_task = {}
-    for t in dict.fromkeys(tasks):
-        m = np.asarray([x == t for x in tasks])
-        per_task[t] = {"imagined": float(imagined_a[m].mean()), "replayed": float(replayed[m].mean()),
-                       "n": int(m.sum())}
+    def rates(m: np.ndarray) -> dict:
+        return {"imagined": float(imagined_a[m].mean()), "replayed": float(replayed[m].mean()), "n": int(m.sum())}
+
+    per_task = {t: rates(np.asarray([x == t for x in tasks])) for t in dict.fromkeys(tasks)}
     kinds = np.asarray(["keyframe" if s.episode is not None else "init" for s in seq_starts])
-    per_kind = {}
-    for k in ("init", "keyframe"):
-        m = kinds == k
-        if m.any():
-            per_kind[k] = {"imagined": float(imagined_a[m].mean()), "replayed": float(replayed[m].mean()),
-                           "n": int(m.sum()), "imagined_successes": int(imagined_a[m].sum()),
-                           **ranking_stats(imagined_a[m], replayed[m], gids_a[m])}
+    per_kind = {k: {**rates(kinds == k), "imagined_successes": int(imagined_a[kinds == k].sum()),
+                    **ranking_stats(imagined_a[kinds == k], replayed[kinds == k], gids_a[kinds == k])}
+                for k in ("init", "keyframe") if (kinds == k).any()}
     return {"imagined_success": float(imagined_a.mean()), "replayed_success": float(replayed.mean()),
             "n": int(len(imagined_a)), "imagined_successes": int(imagined_a.sum()),
             "replayed_successes": int(replayed.sum()), "both_successes": int((imagined_a & replayed).sum()),

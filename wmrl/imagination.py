@@ -142,9 +142,7 @@ class ProprioLiftRule:
             # where it began (a keyframe start with the object already in the hand, carried away within the
             # chunk): a miss only when its start is off the object too
             miss = self.box_miss(end[:, :3].double().numpy(), objects)
-            from_first = whole & was_open
-            if from_first.any():
-                miss &= ~from_first | self.box_miss(start[:, :3].double().numpy(), objects)
+            miss &= ~(whole & was_open) | self.box_miss(start[:, :3].double().numpy(), objects)
             missed[:] = np.where(closes, miss, missed & g[:, -1])
             holding &= ~missed
         lift = holding & (z1 - z_low >= self.rise_min_m)

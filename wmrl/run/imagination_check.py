@@ -63,15 +63,14 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         kf = KeyframeStarts(ctx.path(cfg.store), tasks, keyframes, seed=int(cfg.seed))(0)
         if any(s.sim_state is None for s in kf):
             raise ValueError(f"store {cfg.store} holds no sim states: its keyframes cannot be replayed in the sim")
-        starts = list(starts) + kf
+        starts = starts + kf
     kw = with_suite(OmegaConf.to_container(g.env.get("imagination"), resolve=True) or {}, suite)
     imag = make_imagination_env(str(ctx.path(g.env.world_model)), str(ctx.path(g.env.critic)), len(starts) * group,
                                 seed=int(cfg.seed), device=str(cfg.device), **kw)
     r = replay_check(imag, sim_env, policy, starts, group, int(g.max_chunks),
                      generator=torch.Generator().manual_seed(int(cfg.seed)), progress=True)
     r["sampler"] = repr(policy.sampler)  # the RL sampler, or the latent-noise steering's
-    r["grasp_misses"] = int(imag.grasp_misses)   # closes the grasp box judged misses
-    r["halted"] = int(imag.halted)               # slots the uncertainty gate halted
+    r.update(imag.counters())   # grasp_misses: closes the grasp box judged misses; halted: slots the uncertainty gate halted
     _log_verdict(r)
     return r
 

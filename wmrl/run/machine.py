@@ -215,6 +215,12 @@ def _time_imagination(cfg: DictConfig, policy, wm, critic, out: dict[str, float]
         out["policy_sde_per_rollout_s"] = _median_s(lambda: policy.sample(op), 2, 1) / nb
 
 
+def imagination_check_starts(check) -> int:
+    """Starts per task of the pipeline's ``imagination_check`` config (init states + keyframes); 0 skips it."""
+    check = check or {}
+    return int(check.get("starts_per_task", 0) or 0) + int(check.get("keyframes_per_task", 0) or 0)
+
+
 def work_units(cfg: DictConfig, suite=None) -> dict[str, dict[str, float]]:
     """Per stage, the work units it plans (``units``) and the calibration keys whose per-unit sum is
     its unit cost (``costs``), from the pipeline config ``cfg`` (stage settings as the pipeline merges
@@ -233,8 +239,7 @@ def work_units(cfg: DictConfig, suite=None) -> dict[str, dict[str, float]]:
         "bc_rollouts": (int(br.episodes_per_task) * len(tasks) * int(br.max_steps), ("sim_step_s",)),
         "worldmodel": (int(wm.train.steps), ("wm_step_s",)),
         "critic": (int(cr.train.steps), ("critic_step_s",)),
-        "imagination_check": ((int(ic.get("starts_per_task", 0) or 0) + int(ic.get("keyframes_per_task", 0) or 0))
-                              * len(tasks) * int(g.grpo.group_size) * chunk,
+        "imagination_check": (imagination_check_starts(ic) * len(tasks) * int(g.grpo.group_size) * chunk,
                               ("imagine_per_rollout_s", "policy_sde_per_rollout_s")),
         "eval_before": (int(ev.episodes_per_task) * sum(limits), ("sim_step_s",)),
         "grpo": (int(g.iterations) * int(g.env.num_envs) * chunk, ("imagine_per_rollout_s", "policy_sde_per_rollout_s")),

@@ -159,8 +159,7 @@ def _start(cfg: DictConfig, ctx: RunContext) -> tuple[_Job, dict | None]:
 
 
 def _checks_fidelity(cfg: DictConfig) -> bool:
-    c = cfg.get("imagination_check") or {}
-    return int(c.get("starts_per_task", 0) or 0) + int(c.get("keyframes_per_task", 0) or 0) > 0
+    return machine.imagination_check_starts(cfg.get("imagination_check")) > 0
 
 
 def _bc_rollouts(job: _Job, demos: Path, bc_ckpt: Path, scfg: DictConfig) -> dict:

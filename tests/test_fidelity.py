@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from wmrl.fidelity import ranking_stats, replay_actions, replay_check
+from wmrl.fidelity import outcome_paths, ranking_stats, replay_actions, replay_check
 from wmrl.kernel.types import PolicySample, Start
 
 
@@ -87,6 +87,34 @@ def test_replay_check_with_the_sim_as_imagination_agrees_exactly(expert_episode)
     assert r["per_task"] == {"lift_red": {"imagined": 0.5, "replayed": 0.5, "n": 2}}
     assert (r["imagined_successes"], r["replayed_successes"], r["both_successes"]) == (1, 1, 1)
     assert list(r["per_start_kind"]) == ["init"] and r["per_start_kind"]["init"]["n"] == 2
+    # the sim as its own imagination: both paths are one path
+    o = r["outcome_paths"]
+    assert (o["both"]["n"], o["imagined_only"]["n"], o["replayed_only"]["n"]) == (1, 0, 0)
+    assert o["both"]["ee_err_cm_max"] == 0.0 and o["both"]["far"] == 0
+    assert o["both"]["gap_imagined_cm_median"] == o["both"]["gap_replayed_cm_median"]
+    assert r["outcome_paths_per_task"]["lift_red"] == o
+
+
+def test_outcome_paths_separates_an_arm_gone_elsewhere_from_a_grasp_that_did_not_hold():
+    def path(ee_last, gap_cm):     # two chunk starts; the second decides
+        p = torch.zeros(2, 9)
+        p[1, :3] = torch.tensor(ee_last)
+        p[1, 7], p[1, 8] = gap_cm / 200, -gap_cm / 200
+        return p
+
+    im = np.array([1, 1, 1, 0], bool)
+    re = np.array([1, 0, 0, 1], bool)
+    imagined = [path([0, 0, 0], 4.0), path([0, 0, 0.03], 4.0), path([0, 0, 0], 4.0), path([0, 0, 0], 0.0)]
+    replayed = [path([0, 0, 0.001], 4.0), path([0, 0, 0], 4.0), path([0.005, 0, 0], 0.5), path([0, 0, 0], 4.0)]
+    o = outcome_paths(im, re, imagined, replayed)
+    assert o["both"]["n"] == 1 and o["both"]["ee_err_cm_median"] == pytest.approx(0.1)
+    w = o["imagined_only"]
+    assert w["n"] == 2 and w["far"] == 1 and w["ee_err_cm_max"] == pytest.approx(3.0)
+    assert w["ee_err_cm_median"] == pytest.approx(1.75)         # median of 3.0 and 0.5 cm
+    assert w["gap_imagined_cm_median"] == pytest.approx(4.0) and w["gap_replayed_cm_median"] == pytest.approx(2.25)
+    assert o["replayed_only"]["n"] == 1 and o["replayed_only"]["gap_imagined_cm_median"] == pytest.approx(0.0)
+    # a replay that ended a chunk early is compared at the last chunk start both executed
+    assert outcome_paths(im[:1], re[:1], [path([0, 0, 0.05], 4.0)], [path([0, 0, 0], 4.0)[:1]])["both"]["ee_err_cm_max"] == 0.0
 
 
 def test_replay_check_reports_keyframe_starts_apart(expert_episode):

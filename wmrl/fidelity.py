@@ -25,7 +25,8 @@ from wmrl.rl.rollout import collect_groups, pad_slots, replay_open_loop, slot_id
 
 
 @torch.no_grad()
-def replay_actions(sim_env: ChunkEnv, starts: Sequence[Start], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+def replay_actions(sim_env: ChunkEnv, starts: Sequence[Start], chunks: Sequence[torch.Tensor],
+                   with_proprio: bool = False) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
     """Execute fixed action chunks open loop from ``starts`` (each needs ``sim_state`` or ``init_index``).
 
     Args:
@@ -35,7 +36,9 @@ def replay_actions(sim_env: ChunkEnv, starts: Sequence[Start], chunks: Sequence[
             chunks or when the env ends its episode.
 
     Returns:
-        ``bool (M,)``: whether each replay succeeded within its ``N_i`` chunks.
+        ``bool (M,)``: whether each replay succeeded within its ``N_i`` chunks; with ``with_proprio``
+        also a list of ``M`` tensors ``float32 (n_i, D_s)``: the proprio at the start of each chunk
+        the replay executed (``n_i <= N_i``: a replay that succeeds early stops there).
 
     Raises:
         ValueError: ``len(starts) != len(chunks)`` or a rollout without chunks.
@@ -46,6 +49,7 @@ def replay_actions(sim_env: ChunkEnv, starts: Sequence[Start], chunks: Sequence[
         raise ValueError("every action sequence must be float32 (N_i >= 1, H, D_a)")
     b = sim_env.num_envs
     out = torch.zeros(len(starts), dtype=torch.bool)
+    paths: list[torch.Tensor] = [torch.zeros(0)] * len(starts)
     for lo in range(0, len(starts), b):
         idx = list(range(lo, min(lo + b, len(starts))))
         st = pad_slots([starts[i] for i in idx], b)
@@ -55,7 +59,55 @@ def replay_actions(sim_env: ChunkEnv, starts: Sequence[Start], chunks: Sequence[
         padded = torch.stack([torch.stack([q[min(n, q.shape[0] - 1)] for n in steps]) for q in seqs])
         ro = replay_open_loop(sim_env, st, slot_ids(len(idx), b), padded, lengths)
         out[idx] = ro.success[: len(idx)]
-    return out
+        for j, i in enumerate(idx):
+            paths[i] = chunk_start_proprio(ro, j)
+    return (out, paths) if with_proprio else out
+
+
+def chunk_start_proprio(ro, j: int) -> torch.Tensor:
+    """``float32 (n, D_s)``: slot ``j``'s proprio at the start of each of its ``n`` alive chunks of
+    ``Rollout`` ``ro`` (the observation the policy saw before each chunk)."""
+    n = int(ro.alive[j].sum())
+    return torch.stack([ro.obs[k].proprio[j].float() for k in range(n)]) if n else torch.zeros(0, ro.obs[0].proprio.shape[1])
+
+
+def outcome_paths(imagined: np.ndarray, replayed: np.ndarray, imagined_paths: Sequence[torch.Tensor],
+                  replayed_paths: Sequence[torch.Tensor]) -> dict:
+    """Where imagination and the sim part, for each kind of outcome: is a wrong imagined success an
+    arm that went elsewhere (dynamics) or an arm in the right place that did not hold the object
+    (the success rule, the grasp, the critic)?
+
+    Args:
+        imagined, replayed: ``bool (M,)`` outcomes of the same rollouts.
+        imagined_paths, replayed_paths: ``M`` tensors ``float32 (n_i, D_s)`` of proprio at each
+            chunk start (Panda layout: end-effector position in m at ``[:3]``, finger joints in m at
+            ``[7:9]``); compared at the last chunk start both executed.
+
+    Returns:
+        ``{"both" | "imagined_only" | "replayed_only": {"n", "ee_err_cm_median", "ee_err_cm_max",
+        "far" (end effector > 2 cm apart), "gap_imagined_cm_median", "gap_replayed_cm_median"}}``
+        (medians ``None`` for an empty kind); ``gap`` is the finger gap, joint 7 minus joint 8, in cm.
+    """
+    ee, gi, gr = [], [], []
+    for a, b in zip(imagined_paths, replayed_paths):
+        k = min(len(a), len(b)) - 1
+        if k < 0:
+            ee.append(float("nan")); gi.append(float("nan")); gr.append(float("nan"))
+            continue
+        ee.append(100 * float((a[k, :3] - b[k, :3]).norm()))
+        gi.append(100 * float(a[k, 7] - a[k, 8])); gr.append(100 * float(b[k, 7] - b[k, 8]))
+    ee_a, gi_a, gr_a = np.asarray(ee), np.asarray(gi), np.asarray(gr)
+    im, re = np.asarray(imagined, dtype=bool), np.asarray(replayed, dtype=bool)
+
+    def stats(m: np.ndarray) -> dict:
+        ok = m & np.isfinite(ee_a)
+        med = (lambda x: round(float(np.median(x[ok])), 3) if ok.any() else None)
+        return {"n": int(m.sum()), "ee_err_cm_median": med(ee_a),
+                "ee_err_cm_max": round(float(ee_a[ok].max()), 3) if ok.any() else None,
+                "far": int((ee_a[ok] > 2.0).sum()), "gap_imagined_cm_median": med(gi_a),
+                "gap_replayed_cm_median": med(gr_a)}
+
+    return {"both": stats(im & re), "imagined_only": stats(im & ~re), "replayed_only": stats(~im & re)}
 
 
 def ranking_stats(imagined: np.ndarray, real: np.ndarray, group_ids: np.ndarray) -> dict:
@@ -122,12 +174,14 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
         ``{"imagined_success", "replayed_success", "n", "per_task": {task: {"imagined", "replayed",
         "n"}}, "per_start_kind": {"init" | "keyframe": {"imagined", "replayed", "n", "imagined_successes",
         **ranking_stats(...)}}, "imagined_successes", "replayed_successes", "both_successes",
-        **ranking_stats(...)}`` (see :func:`ranking_stats`); a start with ``episode`` set is a keyframe
+        "outcome_paths", "outcome_paths_per_task": {task: ...}, **ranking_stats(...)}``
+        (``outcome_paths``: :func:`outcome_paths` of the imagined and replayed proprio, where the
+        two part for each kind of outcome) (see :func:`ranking_stats`); a start with ``episode`` set is a keyframe
         of a stored episode (``wmrl.rl.starts.starts_from_store``), any other an init state.
     """
     rollouts = collect_groups(imagination_env, policy, starts, group_size, max_chunks, generator=generator,
                               progress=progress)
-    seq_starts, seqs, imagined, gids = [], [], [], []
+    seq_starts, seqs, imagined, gids, im_paths = [], [], [], [], []
     for ro in rollouts:
         acts = torch.stack([s.actions for s in ro.samples], 1)          # (B, N, H, D_a)
         for j, g in enumerate(ro.group_ids.tolist()):
@@ -137,7 +191,9 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
             seqs.append(acts[j, :int(ro.alive[j].sum())])
             imagined.append(bool(ro.success[j]))
             gids.append(g)
-    replayed = replay_actions(sim_env, seq_starts, seqs).numpy()
+            im_paths.append(chunk_start_proprio(ro, j))
+    replayed_t, re_paths = replay_actions(sim_env, seq_starts, seqs, with_proprio=True)
+    replayed = replayed_t.numpy()
     imagined_a = np.asarray(imagined)
     gids_a = np.asarray(gids)
     tasks = [s.task_name for s in seq_starts]
@@ -152,4 +208,9 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
     return {"imagined_success": float(imagined_a.mean()), "replayed_success": float(replayed.mean()),
             "n": int(len(imagined_a)), "imagined_successes": int(imagined_a.sum()),
             "replayed_successes": int(replayed.sum()), "both_successes": int((imagined_a & replayed).sum()),
-            "per_task": per_task, "per_start_kind": per_kind, **ranking_stats(imagined_a, replayed, gids_a)}
+            "per_task": per_task, "per_start_kind": per_kind,
+            "outcome_paths": outcome_paths(imagined_a, replayed, im_paths, re_paths),
+            "outcome_paths_per_task": {t: outcome_paths(imagined_a[m], replayed[m], [im_paths[i] for i in np.flatnonzero(m)],
+                                                        [re_paths[i] for i in np.flatnonzero(m)])
+                                       for t in dict.fromkeys(tasks) for m in [np.asarray([x == t for x in tasks])]},
+            **ranking_stats(imagined_a, replayed, gids_a)}

@@ -81,6 +81,12 @@ def _log_verdict(r: dict) -> None:
              "pair accuracy %s, %d/%d groups mixed in imagination, %d in the sim",
              r["imagined_success"], r["replayed_success"], acc_s, r["mixed_groups_imagined"],
              r["groups"], r["mixed_groups_real"])
+    w = r.get("outcome_paths", {}).get("imagined_only")
+    if w and w["n"]:
+        log.info("imagination check: %d imagined successes fail in the sim; at their last chunk the imagined end "
+                 "effector is %.2f cm (median) from the replayed one (%d over 2 cm), finger gap %.2f cm imagined vs "
+                 "%.2f cm replayed", w["n"], w["ee_err_cm_median"], w["far"], w["gap_imagined_cm_median"],
+                 w["gap_replayed_cm_median"])
     acc, prec = r["pair_accuracy"], r["precision"]
     if (acc is not None and acc < 0.6) or (prec is not None and prec < 0.5):
         log.warning("imagination check: the world model and critic reward actions that fail in the sim (pair "

@@ -93,6 +93,32 @@ def test_replay_check_with_the_sim_as_imagination_agrees_exactly(expert_episode)
     assert o["both"]["ee_err_cm_max"] == 0.0 and o["both"]["far"] == 0
     assert o["both"]["gap_imagined_cm_median"] == o["both"]["gap_replayed_cm_median"]
     assert r["outcome_paths_per_task"]["lift_red"] == o
+    assert "rollouts" not in r
+
+
+def test_the_check_keeps_its_rollouts_with_the_object_where_the_replay_left_it(expert_episode, tmp_path):
+    from wmrl.run.imagination_check import save_rollouts
+
+    suite, ep = expert_episode
+    start = Start(task_name="lift_red", instruction=ep.instruction, sim_state=ep.sim_states[0], split="train")
+    good = _chunks(ep.actions)
+    r = replay_check(suite.make_env(2), suite.make_env(1), _ScriptedPolicy(good), [start], group_size=2,
+                     max_chunks=len(good) + 2, keep_rollouts=True)
+    ro = r["rollouts"]
+    assert ro["imagined"].tolist() == [True, False] and ro["replayed"].tolist() == [True, False]
+    for a, b in zip(ro["imagined_ends"], ro["replayed_ends"]):     # the sim as its own imagination
+        assert torch.equal(a, b)
+    assert ro["replayed_end_state"][0] is None                    # ended in success: the env reset it
+    assert ro["replayed_end_state"][1] is not None
+    assert float(ro["gripper"][1].max()) == -1.0                  # the copy never closes
+    moves = save_rollouts(tmp_path / "rollouts.npz", ro, suite)
+    z = np.load(tmp_path / "rollouts.npz")
+    assert z["imagined_ends"].shape == z["replayed_ends"].shape == (2, len(good) + 2, 9)
+    assert z["task"].tolist() == ["lift_red"] * 2 and z["kind"].tolist() == ["init"] * 2
+    assert np.isnan(z["object_end"][0]).all() and np.isfinite(z["object_end"][1]).all()
+    # the open gripper pushed the cube at most a little: it did not rise
+    assert moves["lift_red"]["neither"]["n"] == 1 and abs(moves["lift_red"]["neither"]["rise_cm_median"]) < 1.0
+    assert moves["lift_red"]["imagined_only"] == {"n": 0, "rise_cm_median": None, "rise_cm_q90": None}
 
 
 def test_outcome_paths_separates_an_arm_gone_elsewhere_from_a_grasp_that_did_not_hold():

@@ -19,14 +19,49 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from wmrl.kernel.interfaces import ChunkEnv, Policy
+from wmrl.kernel.interfaces import ChunkEnv, Policy, SimStateEnv
 from wmrl.kernel.types import Start
 from wmrl.rl.rollout import collect_groups, pad_slots, replay_open_loop, slot_ids
 
 
+class ChunkEnds:
+    """A ``StepRecorder`` (``wmrl.rl.rollout``): every executed chunk's end proprio (``info["final_obs"]``,
+    before any auto-reset) and, for a ``SimStateEnv``, each slot's simulator state after every chunk
+    in which it was alive and its episode did not end (``None`` otherwise: the env has reset it)."""
+
+    def __init__(self):
+        self.proprio: list[torch.Tensor] = []          # per executed chunk: float32 (B, D_s)
+        self.states: list[list] = []                   # per executed chunk: B states or None
+
+    def before_step(self, env, obs, sample, alive) -> None:
+        pass
+
+    def after_step(self, env, res, alive) -> None:
+        self.proprio.append(res.info["final_obs"].proprio.float().clone())
+        if isinstance(env, SimStateEnv):
+            done = (torch.as_tensor(res.terminated) | torch.as_tensor(res.truncated)).reshape(-1)
+            self.states.append([env.sim_state(b) if bool(alive[b]) and not bool(done[b]) else None
+                                for b in range(len(alive))])
+
+    def split(self, rollouts: Sequence) -> list[tuple[torch.Tensor, list | None]]:
+        """Per ``Rollout`` batch (in the order executed): ``(proprio float32 (N, B, D_s), states)``."""
+        out, k = [], 0
+        for ro in rollouts:
+            n = len(ro.obs)
+            out.append((torch.stack(self.proprio[k:k + n]), self.states[k:k + n] if self.states else None))
+            k += n
+        return out
+
+
+def _slot_record(ends: torch.Tensor, states: list | None, alive: torch.Tensor, j: int) -> tuple[torch.Tensor, object]:
+    """Slot ``j``'s chunk-end proprio ``(n, D_s)`` over its ``n`` alive chunks and its last recorded state."""
+    n = int(alive[j].sum())
+    return ends[:n, j], (states[n - 1][j] if states and n else None)
+
+
 @torch.no_grad()
 def replay_actions(sim_env: ChunkEnv, starts: Sequence[Start], chunks: Sequence[torch.Tensor],
-                   with_proprio: bool = False) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+                   with_proprio: bool = False) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list]:
     """Execute fixed action chunks open loop from ``starts`` (each needs ``sim_state`` or ``init_index``).
 
     Args:
@@ -37,8 +72,10 @@ def replay_actions(sim_env: ChunkEnv, starts: Sequence[Start], chunks: Sequence[
 
     Returns:
         ``bool (M,)``: whether each replay succeeded within its ``N_i`` chunks; with ``with_proprio``
-        also a list of ``M`` tensors ``float32 (n_i, D_s)``: the proprio at the start of each chunk
-        the replay executed (``n_i <= N_i``: a replay that succeeds early stops there).
+        also two lists of ``M`` tensors ``float32 (n_i, D_s)``: the proprio at the start and at the
+        end of each chunk the replay executed (``n_i <= N_i``: a replay that succeeds early stops
+        there), and ``M`` simulator states after the replay's last chunk (``None`` where the episode
+        ended within it, or the env is not a ``SimStateEnv``).
 
     Raises:
         ValueError: ``len(starts) != len(chunks)`` or a rollout without chunks.
@@ -50,6 +87,8 @@ def replay_actions(sim_env: ChunkEnv, starts: Sequence[Start], chunks: Sequence[
     b = sim_env.num_envs
     out = torch.zeros(len(starts), dtype=torch.bool)
     paths: list[torch.Tensor] = [torch.zeros(0)] * len(starts)
+    ends: list[torch.Tensor] = [torch.zeros(0)] * len(starts)
+    end_states: list = [None] * len(starts)
     for lo in range(0, len(starts), b):
         idx = list(range(lo, min(lo + b, len(starts))))
         st = pad_slots([starts[i] for i in idx], b)
@@ -57,11 +96,15 @@ def replay_actions(sim_env: ChunkEnv, starts: Sequence[Start], chunks: Sequence[
         lengths = torch.tensor([q.shape[0] for q in seqs])
         steps = range(int(lengths.max()))          # a sequence repeats its last chunk past its end
         padded = torch.stack([torch.stack([q[min(n, q.shape[0] - 1)] for n in steps]) for q in seqs])
-        ro = replay_open_loop(sim_env, st, slot_ids(len(idx), b), padded, lengths)
+        rec = ChunkEnds() if with_proprio else None
+        ro = replay_open_loop(sim_env, st, slot_ids(len(idx), b), padded, lengths, recorder=rec)
         out[idx] = ro.success[: len(idx)]
-        for j, i in enumerate(idx):
-            paths[i] = chunk_start_proprio(ro, j)
-    return (out, paths) if with_proprio else out
+        if rec is not None:
+            (e, states), = rec.split([ro])
+            for j, i in enumerate(idx):
+                paths[i] = chunk_start_proprio(ro, j)
+                ends[i], end_states[i] = _slot_record(e, states, ro.alive, j)
+    return (out, paths, ends, end_states) if with_proprio else out
 
 
 def chunk_start_proprio(ro, j: int) -> torch.Tensor:
@@ -159,7 +202,7 @@ def ranking_stats(imagined: np.ndarray, real: np.ndarray, group_ids: np.ndarray)
 
 def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, starts: Sequence[Start],
                  group_size: int, max_chunks: int, generator: torch.Generator | None = None,
-                 progress: bool = False) -> dict:
+                 progress: bool = False, keep_rollouts: bool = False) -> dict:
     """Imagined rollouts of ``policy`` (``group_size`` per start, as GRPO collects them) and their
     open-loop replay in the sim.
 
@@ -176,13 +219,17 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
         **ranking_stats(...)}}, "imagined_successes", "replayed_successes", "both_successes",
         "outcome_paths", "outcome_paths_per_task": {task: ...}, **ranking_stats(...)}``
         (``outcome_paths``: :func:`outcome_paths` of the imagined and replayed proprio, where the
-        two part for each kind of outcome) (see :func:`ranking_stats`); a start with ``episode`` set is a keyframe
+        two part for each kind of outcome); with ``keep_rollouts`` also ``rollouts`` (not JSON-able), one entry per rollout:
+        ``starts``, ``group``, ``imagined``, ``replayed`` (``bool (M,)``), ``gripper`` (the gripper
+        command on each chunk's last step, ``(N_i,)``), ``imagined_ends`` / ``replayed_ends`` (chunk-end
+        proprio ``(n_i, D_s)``) and ``replayed_end_state`` (see :func:`replay_actions`) (see :func:`ranking_stats`); a start with ``episode`` set is a keyframe
         of a stored episode (``wmrl.rl.starts.starts_from_store``), any other an init state.
     """
+    rec = ChunkEnds()
     rollouts = collect_groups(imagination_env, policy, starts, group_size, max_chunks, generator=generator,
-                              progress=progress)
-    seq_starts, seqs, imagined, gids, im_paths = [], [], [], [], []
-    for ro in rollouts:
+                              progress=progress, recorder=rec)
+    seq_starts, seqs, imagined, gids, im_paths, im_ends = [], [], [], [], [], []
+    for ro, (e, _) in zip(rollouts, rec.split(rollouts)):
         acts = torch.stack([s.actions for s in ro.samples], 1)          # (B, N, H, D_a)
         for j, g in enumerate(ro.group_ids.tolist()):
             if g < 0:
@@ -192,7 +239,8 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
             imagined.append(bool(ro.success[j]))
             gids.append(g)
             im_paths.append(chunk_start_proprio(ro, j))
-    replayed_t, re_paths = replay_actions(sim_env, seq_starts, seqs, with_proprio=True)
+            im_ends.append(_slot_record(e, None, ro.alive, j)[0])
+    replayed_t, re_paths, re_ends, re_states = replay_actions(sim_env, seq_starts, seqs, with_proprio=True)
     replayed = replayed_t.numpy()
     imagined_a = np.asarray(imagined)
     gids_a = np.asarray(gids)
@@ -213,4 +261,7 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
             "outcome_paths_per_task": {t: outcome_paths(imagined_a[m], replayed[m], [im_paths[i] for i in np.flatnonzero(m)],
                                                         [re_paths[i] for i in np.flatnonzero(m)])
                                        for t in dict.fromkeys(tasks) for m in [np.asarray([x == t for x in tasks])]},
-            **ranking_stats(imagined_a, replayed, gids_a)}
+            **ranking_stats(imagined_a, replayed, gids_a),
+            **({"rollouts": {"starts": seq_starts, "group": gids_a, "imagined": imagined_a, "replayed": replayed,
+                         "gripper": [q[:, -1, -1].clone() for q in seqs], "imagined_ends": im_ends,
+                         "replayed_ends": re_ends, "replayed_end_state": re_states}} if keep_rollouts else {})}

@@ -146,7 +146,8 @@ def rollout_batch(env: ChunkEnv, policy: Policy | None, starts: Sequence[Start],
 
 
 def collect_groups(env: ChunkEnv, policy: Policy, starts: Sequence[Start], group_size: int, max_chunks: int,
-                   generator: torch.Generator | None = None, progress: bool = False) -> list[Rollout]:
+                   generator: torch.Generator | None = None, progress: bool = False,
+                   recorder: StepRecorder | None = None) -> list[Rollout]:
     """``G`` rollouts from every start, in batches of ``env.num_envs`` (the last batch is padded
     with inactive slots of group id ``-1``). Group ``i`` is ``starts[i]``. A branch start
     (``Start.max_chunks``) stops after its own chunk count.
@@ -163,12 +164,12 @@ def collect_groups(env: ChunkEnv, policy: Policy, starts: Sequence[Start], group
         limits = torch.tensor([min(int(s.max_chunks), max_chunks) if s.max_chunks is not None else max_chunks
                                for s in padded]) if branch.any() else None
         out.append(rollout_batch(env, policy, padded, gi, max_chunks, generator=generator, chunk_limits=limits,
-                                 branch=branch))
+                                 branch=branch, recorder=recorder))
     return out
 
 
 def replay_open_loop(env: ChunkEnv, starts: Sequence[Start], group_ids: torch.Tensor, chunks: torch.Tensor,
-                     lengths: torch.Tensor) -> Rollout:
+                     lengths: torch.Tensor, recorder: StepRecorder | None = None) -> Rollout:
     """Execute fixed action chunks open loop: slot ``b`` runs ``chunks[b, n]`` at chunk ``n`` for its
     first ``lengths[b]`` chunks (or until its episode ends).
 
@@ -179,7 +180,8 @@ def replay_open_loop(env: ChunkEnv, starts: Sequence[Start], group_ids: torch.Te
     def fn(n: int, obs: Obs) -> PolicySample:
         return PolicySample(chunks[:, n], log_prob)
 
-    return rollout_batch(env, None, starts, group_ids, int(lengths.max()), actions_fn=fn, chunk_limits=lengths)
+    return rollout_batch(env, None, starts, group_ids, int(lengths.max()), actions_fn=fn, chunk_limits=lengths,
+                         recorder=recorder)
 
 
 def rollout_returns(rollouts: Sequence[Rollout], reward_mode: str = "return", success_bonus: float = 1.0

@@ -68,11 +68,65 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     imag = make_imagination_env(str(ctx.path(g.env.world_model)), str(ctx.path(g.env.critic)), len(starts) * group,
                                 seed=int(cfg.seed), device=str(cfg.device), **kw)
     r = replay_check(imag, sim_env, policy, starts, group, int(g.max_chunks),
-                     generator=torch.Generator().manual_seed(int(cfg.seed)), progress=True)
+                     generator=torch.Generator().manual_seed(int(cfg.seed)), progress=True,
+                     keep_rollouts=True)
+    r["object_moves"] = save_rollouts(ctx.out_dir / "rollouts.npz", r.pop("rollouts"), suite)
     r["sampler"] = repr(policy.sampler)  # the RL sampler, or the latent-noise steering's
     r.update(imag.counters())   # grasp_misses: closes the grasp box judged misses; halted: slots the uncertainty gate halted
     _log_verdict(r)
     return r
+
+
+def save_rollouts(path, ro: dict, suite) -> dict:
+    """Write the check's rollouts (``wmrl.fidelity.replay_check``'s ``rollouts``) to ``path`` (``.npz``:
+    ``task``, ``kind`` (``init`` / ``keyframe``), ``group``, ``imagined``, ``replayed`` ``(M,)``;
+    ``gripper`` ``(M, N)`` and chunk-end proprio ``imagined_ends`` / ``replayed_ends`` ``(M, N, D_s)``,
+    NaN past each rollout's end; ``object_start`` / ``object_end`` ``(M, 3)`` m, the task object where
+    the start put it and after the replay's last chunk, NaN where unknown) and return, per task and
+    outcome, how far the replay moved the task object up: ``{task: {"imagined_only" | "neither":
+    {"n", "rise_cm_median", "rise_cm_q90"}}}`` (a replay that ended in success has no end state).
+
+    The end state's object is read by an ``ObjectLocatingSuite`` (``sim.suite.Suite.object_position``);
+    another suite gives NaN."""
+    import numpy as np
+
+    from wmrl.kernel.interfaces import ObjectLocatingSuite
+    from wmrl.kernel.types import Start
+
+    m = len(ro["starts"])
+    n = max(len(g) for g in ro["gripper"])
+    d = ro["imagined_ends"][0].shape[-1]
+    grip = np.full((m, n), np.nan, np.float32)
+    im_e, re_e = np.full((m, n, d), np.nan, np.float32), np.full((m, n, d), np.nan, np.float32)
+    o0, o1 = np.full((m, 3), np.nan), np.full((m, 3), np.nan)
+    locate = isinstance(suite, ObjectLocatingSuite)
+    for i, st in enumerate(ro["starts"]):
+        g = ro["gripper"][i].numpy()
+        grip[i, :len(g)] = g
+        a, b = ro["imagined_ends"][i].numpy(), ro["replayed_ends"][i].numpy()
+        im_e[i, :len(a)], re_e[i, :len(b)] = a, b
+        if locate:
+            p0 = suite.object_position(st)
+            o0[i] = p0 if p0 is not None else np.nan
+            state = ro["replayed_end_state"][i]
+            if state is not None:
+                o1[i] = suite.object_position(Start(task_name=st.task_name, instruction=st.instruction,
+                                                    sim_state=np.asarray(state)))
+    tasks = np.array([s.task_name for s in ro["starts"]])
+    kinds = np.array(["keyframe" if s.episode is not None else "init" for s in ro["starts"]])
+    im, re = np.asarray(ro["imagined"], bool), np.asarray(ro["replayed"], bool)
+    np.savez_compressed(path, task=tasks, kind=kinds, group=np.asarray(ro["group"]), imagined=im, replayed=re,
+                        gripper=grip, imagined_ends=im_e, replayed_ends=re_e, object_start=o0, object_end=o1)
+    rise = 100 * (o1[:, 2] - o0[:, 2])
+    out = {}
+    for t in dict.fromkeys(tasks.tolist()):
+        out[t] = {}
+        for name, sel in (("imagined_only", im & ~re), ("neither", ~im & ~re)):
+            k = sel & (tasks == t) & np.isfinite(rise)
+            out[t][name] = {"n": int(k.sum()),
+                            "rise_cm_median": round(float(np.median(rise[k])), 2) if k.any() else None,
+                            "rise_cm_q90": round(float(np.quantile(rise[k], 0.9)), 2) if k.any() else None}
+    return out
 
 
 def _log_verdict(r: dict) -> None:

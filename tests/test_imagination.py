@@ -403,6 +403,32 @@ def test_release_rule_needs_a_held_object_let_go():
         ProprioLiftRule(["stack"], release_tasks=["stack"])
 
 
+def test_release_rule_can_wait_for_fingers_commanded_open_long_enough():
+    """With ``release_open_steps=4`` (the chunk here is 4 steps) a chunk that turns open on its last
+    step is not yet a release, the next (open throughout) is; slot 1 opens on its first step and is
+    released at once. The default (1) counts the first chunk."""
+    from wmrl.imagination import ProprioLiftRule
+
+    def run(open_steps):
+        rule = ProprioLiftRule(["lift"], closed_steps=8, gap_min_m=0.025, rise_min_m=0.04, release_tasks=["stack"],
+                               release_open_steps=open_steps)
+        env = ImaginationEnv(ArmWorldModel(), LevelCritic(), num_envs=2, max_chunks=8, auto_reset=False,
+                             proprio_success=rule)
+        env.reset([level_start(100, "stack"), level_start(100, "stack")])
+        for _ in range(2):                                                           # 8 steps closed: both hold
+            env.step(arm_chunk([0, 0], z=[0.05, 0.05], gap=[0.04, 0.04], grip=[1, 1]))
+        a = arm_chunk([0, 0], z=[0.05, 0.05], gap=[0.06, 0.08], grip=[1, -1])
+        a[0, -1, 6] = -1.0                                                           # slot 0: open on the last step only
+        first = env.step(a).success.tolist()
+        second = env.step(arm_chunk([0, 0], z=[0.05, 0.05], gap=[0.08, 0.08], grip=[-1, -1])).success.tolist()
+        return first, second
+
+    assert run(4) == ([False, True], [True, False])      # slot 1 already finished
+    assert run(1)[0] == [True, True]
+    with pytest.raises(ValueError, match="release_open_steps"):
+        ProprioLiftRule(["lift"], release_open_steps=0)
+
+
 def test_grasp_box_turns_a_close_away_from_the_object_into_a_miss():
     """Three lift slots close at the same imagined end effector (x = y = 1 m after one chunk of
     ArmWorldModel) with a finger gap that reads as a hold, then raise the arm. Slot 0's object is at

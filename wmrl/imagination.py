@@ -50,7 +50,8 @@ class ProprioLiftRule:
 
     For the ``release_tasks`` (placing tasks such as stacking, whose success in ``sim.tasks`` needs the
     object let go) the rule is instead: an object was held (the lift rule's closed streak and finger
-    gap at an earlier chunk end) and the gripper is commanded open on the chunk's last step. The
+    gap at an earlier chunk end) and the gripper is commanded open on the chunk's last
+    ``release_open_steps`` steps. The
     critic still decides where the object is; this rule only refuses a success read from a frame in
     which the object is still in the hand (measured: 13 of 14 imagined stacking successes of the
     critic alone were the red cube held above the green one, docs/measurements.md).
@@ -74,6 +75,12 @@ class ProprioLiftRule:
         grasp_box_m: ``(bx, by, bz)`` in m, or ``None`` (no geometric check).
         lifts_need_critic: ``False``: a lift's success is the rule alone (the critic's threshold
             still decides the release tasks and the tasks the rule does not name).
+        release_open_steps: a release needs the gripper commanded open on the chunk's last
+            ``release_open_steps`` control steps (capped at the chunk length ``H``). The fingers
+            take about 11 steps to open: with 1, a release read at the end of the chunk in which
+            the command turned open finds the real fingers still on the object (the sim's
+            stacking success needs it let go); every imagined stacking success that failed in the
+            sim on the seed-1 check of 2026-12-07 was that (docs/measurements.md).
 
     Raises:
         ValueError: a task both a lift and a release task, or a grasp box that is not 3 positive lengths.
@@ -81,7 +88,8 @@ class ProprioLiftRule:
 
     def __init__(self, tasks: Sequence[str], closed_steps: int = 12, gap_min_m: float = 0.02,
                  rise_min_m: float = 0.055, gripper_dim: int = -1, release_tasks: Sequence[str] = (),
-                 grasp_box_m: Sequence[float] | None = None, lifts_need_critic: bool = True):
+                 grasp_box_m: Sequence[float] | None = None, lifts_need_critic: bool = True,
+                 release_open_steps: int = 1):
         self.tasks, self.release_tasks = set(tasks), set(release_tasks)
         if self.tasks & self.release_tasks:
             raise ValueError(f"tasks {sorted(self.tasks & self.release_tasks)} are both lifts and release tasks")
@@ -94,6 +102,9 @@ class ProprioLiftRule:
             grasp_box_m = np.array(box)
         self.grasp_box_m = grasp_box_m
         self.lifts_need_critic = bool(lifts_need_critic)
+        if int(release_open_steps) < 1:
+            raise ValueError(f"release_open_steps must be >= 1, got {release_open_steps}")
+        self.release_open_steps = int(release_open_steps)
 
     def applies(self, task_names: Sequence[str]) -> np.ndarray:
         return np.array([t in self.tasks or t in self.release_tasks for t in task_names], dtype=bool)
@@ -146,7 +157,8 @@ class ProprioLiftRule:
             missed[:] = np.where(closes, miss, missed & g[:, -1])
             holding &= ~missed
         lift = holding & (z1 - z_low >= self.rise_min_m)
-        release = held & ~g[:, -1]
+        trailing_open = np.argmin(np.concatenate([~g[:, ::-1], np.zeros((len(g), 1), bool)], 1), axis=1)
+        release = held & (trailing_open >= min(self.release_open_steps, H))
         held |= holding
         return np.where(self.releases(task_names), release, lift)
 

@@ -26,12 +26,13 @@ from wmrl.rl.rollout import collect_groups, pad_slots, replay_open_loop, slot_id
 
 class ChunkEnds:
     """A ``StepRecorder`` (``wmrl.rl.rollout``): every executed chunk's end proprio (``info["final_obs"]``,
-    before any auto-reset) and, for a ``SimStateEnv``, each slot's simulator state after every chunk
-    in which it was alive and its episode did not end (``None`` otherwise: the env has reset it)."""
+    before any auto-reset) and, for a ``SimStateEnv``, each slot's simulator state after the last
+    chunk in which it was alive (``None`` where its episode ended in that chunk: the env has reset
+    it). The states are those of the last batch recorded: use one recorder per batch to keep them."""
 
     def __init__(self):
         self.proprio: list[torch.Tensor] = []          # per executed chunk: float32 (B, D_s)
-        self.states: list[list] = []                   # per executed chunk: B states or None
+        self.last_state: dict[int, object] = {}        # slot -> state after its last alive chunk, or None
 
     def before_step(self, env, obs, sample, alive) -> None:
         pass
@@ -40,23 +41,23 @@ class ChunkEnds:
         self.proprio.append(res.info["final_obs"].proprio.float().clone())
         if isinstance(env, SimStateEnv):
             done = (torch.as_tensor(res.terminated) | torch.as_tensor(res.truncated)).reshape(-1)
-            self.states.append([env.sim_state(b) if bool(alive[b]) and not bool(done[b]) else None
-                                for b in range(len(alive))])
+            for b in torch.nonzero(alive).flatten().tolist():
+                self.last_state[b] = None if bool(done[b]) else env.sim_state(b)
 
-    def split(self, rollouts: Sequence) -> list[tuple[torch.Tensor, list | None]]:
-        """Per ``Rollout`` batch (in the order executed): ``(proprio float32 (N, B, D_s), states)``."""
+    def split(self, rollouts: Sequence) -> list[torch.Tensor]:
+        """Per ``Rollout`` batch (in the order executed): chunk-end proprio ``float32 (N, B, D_s)``."""
         out, k = [], 0
         for ro in rollouts:
             n = len(ro.obs)
-            out.append((torch.stack(self.proprio[k:k + n]), self.states[k:k + n] if self.states else None))
+            out.append(torch.stack(self.proprio[k:k + n]))
             k += n
         return out
 
 
-def _slot_record(ends: torch.Tensor, states: list | None, alive: torch.Tensor, j: int) -> tuple[torch.Tensor, object]:
-    """Slot ``j``'s chunk-end proprio ``(n, D_s)`` over its ``n`` alive chunks and its last recorded state."""
-    n = int(alive[j].sum())
-    return ends[:n, j], (states[n - 1][j] if states and n else None)
+def start_kind(start: Start) -> str:
+    """``"keyframe"`` for a start cut from a stored episode (``episode`` set, as
+    ``wmrl.rl.starts.starts_from_store`` makes them), else ``"init"``."""
+    return "keyframe" if start.episode is not None else "init"
 
 
 @torch.no_grad()
@@ -100,10 +101,10 @@ def replay_actions(sim_env: ChunkEnv, starts: Sequence[Start], chunks: Sequence[
         ro = replay_open_loop(sim_env, st, slot_ids(len(idx), b), padded, lengths, recorder=rec)
         out[idx] = ro.success[: len(idx)]
         if rec is not None:
-            (e, states), = rec.split([ro])
+            e, = rec.split([ro])
             for j, i in enumerate(idx):
                 paths[i] = chunk_start_proprio(ro, j)
-                ends[i], end_states[i] = _slot_record(e, states, ro.alive, j)
+                ends[i], end_states[i] = e[:int(ro.alive[j].sum()), j], rec.last_state.get(j)
     return (out, paths, ends, end_states) if with_proprio else out
 
 
@@ -217,19 +218,19 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
         ``{"imagined_success", "replayed_success", "n", "per_task": {task: {"imagined", "replayed",
         "n"}}, "per_start_kind": {"init" | "keyframe": {"imagined", "replayed", "n", "imagined_successes",
         **ranking_stats(...)}}, "imagined_successes", "replayed_successes", "both_successes",
-        "outcome_paths", "outcome_paths_per_task": {task: ...}, **ranking_stats(...)}``
-        (``outcome_paths``: :func:`outcome_paths` of the imagined and replayed proprio, where the
-        two part for each kind of outcome); with ``keep_rollouts`` also ``rollouts`` (not JSON-able), one entry per rollout:
-        ``starts``, ``group``, ``imagined``, ``replayed`` (``bool (M,)``), ``gripper`` (the gripper
-        command on each chunk's last step, ``(N_i,)``), ``imagined_ends`` / ``replayed_ends`` (chunk-end
-        proprio ``(n_i, D_s)``) and ``replayed_end_state`` (see :func:`replay_actions`) (see :func:`ranking_stats`); a start with ``episode`` set is a keyframe
-        of a stored episode (``wmrl.rl.starts.starts_from_store``), any other an init state.
+        "outcome_paths", "outcome_paths_per_task": {task: ...}, **ranking_stats(...)}`` (see
+        :func:`ranking_stats`; the kind of a start: :func:`start_kind`). ``outcome_paths``:
+        :func:`outcome_paths` of the imagined and replayed proprio, where the two part for each kind
+        of outcome. With ``keep_rollouts`` also ``rollouts`` (not JSON-able), one entry per rollout:
+        ``starts``, ``kind``, ``group``, ``imagined``, ``replayed`` (``(M,)``), ``gripper`` (the
+        gripper command on each chunk's last step, ``(N_i,)``), ``imagined_ends`` / ``replayed_ends``
+        (chunk-end proprio ``(n_i, D_s)``) and ``replayed_end_state`` (see :func:`replay_actions`).
     """
     rec = ChunkEnds()
     rollouts = collect_groups(imagination_env, policy, starts, group_size, max_chunks, generator=generator,
                               progress=progress, recorder=rec)
     seq_starts, seqs, imagined, gids, im_paths, im_ends = [], [], [], [], [], []
-    for ro, (e, _) in zip(rollouts, rec.split(rollouts)):
+    for ro, e in zip(rollouts, rec.split(rollouts)):
         acts = torch.stack([s.actions for s in ro.samples], 1)          # (B, N, H, D_a)
         for j, g in enumerate(ro.group_ids.tolist()):
             if g < 0:
@@ -239,17 +240,18 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
             imagined.append(bool(ro.success[j]))
             gids.append(g)
             im_paths.append(chunk_start_proprio(ro, j))
-            im_ends.append(_slot_record(e, None, ro.alive, j)[0])
+            im_ends.append(e[:int(ro.alive[j].sum()), j])
     replayed_t, re_paths, re_ends, re_states = replay_actions(sim_env, seq_starts, seqs, with_proprio=True)
     replayed = replayed_t.numpy()
     imagined_a = np.asarray(imagined)
     gids_a = np.asarray(gids)
-    tasks = [s.task_name for s in seq_starts]
+    tasks = np.asarray([s.task_name for s in seq_starts])
     def rates(m: np.ndarray) -> dict:
         return {"imagined": float(imagined_a[m].mean()), "replayed": float(replayed[m].mean()), "n": int(m.sum())}
 
-    per_task = {t: rates(np.asarray([x == t for x in tasks])) for t in dict.fromkeys(tasks)}
-    kinds = np.asarray(["keyframe" if s.episode is not None else "init" for s in seq_starts])
+    names = list(dict.fromkeys(tasks.tolist()))
+    per_task = {t: rates(tasks == t) for t in names}
+    kinds = np.asarray([start_kind(s) for s in seq_starts])
     per_kind = {k: {**rates(kinds == k), "imagined_successes": int(imagined_a[kinds == k].sum()),
                     **ranking_stats(imagined_a[kinds == k], replayed[kinds == k], gids_a[kinds == k])}
                 for k in ("init", "keyframe") if (kinds == k).any()}
@@ -258,10 +260,11 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
             "replayed_successes": int(replayed.sum()), "both_successes": int((imagined_a & replayed).sum()),
             "per_task": per_task, "per_start_kind": per_kind,
             "outcome_paths": outcome_paths(imagined_a, replayed, im_paths, re_paths),
-            "outcome_paths_per_task": {t: outcome_paths(imagined_a[m], replayed[m], [im_paths[i] for i in np.flatnonzero(m)],
-                                                        [re_paths[i] for i in np.flatnonzero(m)])
-                                       for t in dict.fromkeys(tasks) for m in [np.asarray([x == t for x in tasks])]},
+            "outcome_paths_per_task": {t: outcome_paths(imagined_a[tasks == t], replayed[tasks == t],
+                                                        [im_paths[i] for i in np.flatnonzero(tasks == t)],
+                                                        [re_paths[i] for i in np.flatnonzero(tasks == t)])
+                                       for t in names},
             **ranking_stats(imagined_a, replayed, gids_a),
-            **({"rollouts": {"starts": seq_starts, "group": gids_a, "imagined": imagined_a, "replayed": replayed,
+            **({"rollouts": {"starts": seq_starts, "kind": kinds, "group": gids_a, "imagined": imagined_a, "replayed": replayed,
                          "gripper": [q[:, -1, -1].clone() for q in seqs], "imagined_ends": im_ends,
                          "replayed_ends": re_ends, "replayed_end_state": re_states}} if keep_rollouts else {})}

@@ -40,6 +40,11 @@ from wmrl.kernel.interfaces import ProgressCritic, SlotStateWorldModel, Uncertai
 from wmrl.kernel.types import Obs, Start, StepResult
 
 
+def _trailing_steps(mask: np.ndarray) -> np.ndarray:
+    """``int (B,)``: how many of the last steps of each row of ``mask`` ``bool (B, H)`` are true."""
+    return np.argmin(np.concatenate([mask[:, ::-1], np.zeros((len(mask), 1), bool)], 1), axis=1)
+
+
 class ProprioLiftRule:
     """A lift's success read from the arm at chunk resolution, streaming per slot: the gripper has
     been commanded closed (action dim ``gripper_dim`` > 0) on the last ``closed_steps`` control steps
@@ -139,7 +144,7 @@ class ProprioLiftRule:
         g = (actions[..., self.gripper_dim] > 0).numpy()
         H = g.shape[1]
         z0, z1 = start[:, 2].double().numpy(), end[:, 2].double().numpy()
-        trailing = np.argmin(np.concatenate([g[:, ::-1], np.zeros((len(g), 1), bool)], 1), axis=1)   # closed steps at the chunk's end
+        trailing = _trailing_steps(g)        # steps commanded closed at the chunk's end
         whole = trailing == H
         was_open = closed == 0               # the previous chunk ended with the gripper commanded open
         fresh = was_open | ~whole            # the close began inside this chunk (or it is open)
@@ -157,8 +162,7 @@ class ProprioLiftRule:
             missed[:] = np.where(closes, miss, missed & g[:, -1])
             holding &= ~missed
         lift = holding & (z1 - z_low >= self.rise_min_m)
-        trailing_open = np.argmin(np.concatenate([~g[:, ::-1], np.zeros((len(g), 1), bool)], 1), axis=1)
-        release = held & (trailing_open >= min(self.release_open_steps, H))
+        release = held & (_trailing_steps(~g) >= min(self.release_open_steps, H))
         held |= holding
         return np.where(self.releases(task_names), release, lift)
 

@@ -112,8 +112,8 @@ def save_rollouts(path, ro: dict, suite) -> dict:
             if state is not None:
                 o1[i] = suite.object_position(Start(task_name=st.task_name, instruction=st.instruction,
                                                     sim_state=np.asarray(state)))
-    tasks = np.array([s.task_name for s in ro["starts"]])
-    kinds = np.array(["keyframe" if s.episode is not None else "init" for s in ro["starts"]])
+    tasks = np.asarray([s.task_name for s in ro["starts"]])
+    kinds = np.asarray(ro["kind"])
     im, re = np.asarray(ro["imagined"], bool), np.asarray(ro["replayed"], bool)
     np.savez_compressed(path, task=tasks, kind=kinds, group=np.asarray(ro["group"]), imagined=im, replayed=re,
                         gripper=grip, imagined_ends=im_e, replayed_ends=re_e, object_start=o0, object_end=o1)

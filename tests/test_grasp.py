@@ -110,16 +110,35 @@ def test_bad_grasp_settings_are_refused():
         GraspHead(chunk_size=4, image_size=24)
 
 
+def test_a_head_without_the_wrist_frame_reads_only_the_anchor_and_the_arm():
+    """``wrist=False``: the imagined frame the policy also acts on does not move the head's call (a
+    policy cannot close where an imagined frame merely looks like a grasp); the anchor frame does; a
+    head that reads neither is refused."""
+    torch.manual_seed(0)
+    head = GraspHead(chunk_size=4, image_size=16, channels=(8, 8, 8, 8), hidden=32, dropout=0.0, anchor=True,
+                     wrist=False)
+    assert head.conv is None
+    torch.nn.init.normal_(head.mlp[-1].weight, std=0.1)   # a trained head: its output depends on its inputs
+    b = 5
+    proprio, predicted = torch.zeros(b, 9), torch.zeros(b, 9)
+    actions, anchor = torch.ones(b, 4, 7), torch.rand(b, 3, 16, 16) * 2 - 1
+    out = head(torch.rand(b, 3, 16, 16), proprio, actions, predicted, anchor)
+    assert torch.equal(out, head(None, proprio, actions, predicted, anchor))
+    assert not torch.allclose(out, head(None, proprio, actions, predicted, -anchor))
+    with pytest.raises(ValueError, match="must read an anchor frame"):
+        GraspHead(chunk_size=4, image_size=16, wrist=False)
+
+
 def test_an_anchor_head_trains_on_imagined_frames_and_keeps_the_real_start_frame(tmp_path):
     """With ``anchor_camera`` the head reads the rollout's real start frame: ``init`` keeps it in
     ``WMState.anchor`` and every imagined state carries it unchanged; training draws half of the
     head's windows with the model's own imagined start frame and an anchor from earlier in the
     episode, and the head learns."""
+    from wmrl.kernel.types import Obs
     from worldmodels.data import EpisodeFrames
     from worldmodels.synthetic import make_episodes
     from worldmodels.train import train_world_model
     from worldmodels.video_wm import ChunkFlowWorldModel
-    from wmrl.kernel.types import Obs
 
     dyn = {"action_space": PANDA_OSC_POSE.to_dict(), "ensemble": 2, "hidden": 16, "gripper_speed": 0.2}
     cfg = _tiny_cfg(dynamics=dyn, grasp={"anchor_camera": "agentview", "channels": [8, 8, 8, 8], "hidden": 16})
@@ -173,3 +192,82 @@ def test_grasp_outcome_counts_misses_and_holds_from_the_real_fingers():
     assert grasp_outcome(wm, data, chunks=2, lead_chunks=2)["n"] == 0    # no close is 2 chunks into its episode
     with pytest.raises(ValueError, match="lead_chunks"):
         grasp_outcome(wm, data, lead_chunks=-1)
+
+
+def test_retraining_the_grasp_head_alone_keeps_the_rest_of_the_world_model(tmp_path):
+    """``retrain_grasp_head`` with ``wrist=False``: a new head (no wrist CNN) that learns, on a copy
+    whose dynamics, frames and statistics are the trained model's own; the model given is unchanged
+    and the copy round-trips through a checkpoint. A model without a grasp head is refused."""
+    from wmrl.kernel.checkpoint import load_checkpoint, save_checkpoint
+    from worldmodels.data import EpisodeFrames
+    from worldmodels.synthetic import make_episodes
+    from worldmodels.train import retrain_grasp_head, train_world_model
+    from worldmodels.video_wm import ChunkFlowWorldModel
+
+    dyn = {"action_space": PANDA_OSC_POSE.to_dict(), "ensemble": 2, "hidden": 16}
+    cfg = _tiny_cfg(dynamics=dyn, grasp={"anchor_camera": "agentview", "channels": [8, 8, 8, 8], "hidden": 16})
+    torch.manual_seed(0)
+    wm = ChunkFlowWorldModel(**cfg)
+    frames = EpisodeFrames(make_episodes(4, length=24, size=32, seed=3), cameras=wm.cameras)
+    train_world_model(wm, cfg, frames, tmp_path / "wm", steps=2, batch_size=4, warmup=1, eval_every=1000,
+                      checkpoint_every=0, progress=False, tensorboard=False, dynamics={"batch_size": 8},
+                      grasp={"batch_size": 8})
+    before = {k: v.clone() for k, v in wm.state_dict().items()}
+    new, new_cfg = retrain_grasp_head(wm, cfg, frames, steps=4, head={"wrist": False}, grasp={"batch_size": 8},
+                                      progress=False)
+    assert all(torch.equal(before[k], v) for k, v in wm.state_dict().items())
+    assert new_cfg["grasp"]["wrist"] is False and "wrist" not in cfg["grasp"]
+    assert new.grasp.conv is None and not new.training
+    keep = {k: v for k, v in wm.state_dict().items() if not k.startswith("grasp.")}
+    assert all(torch.equal(v, new.state_dict()[k]) for k, v in keep.items())
+    assert any(float(p.abs().sum()) > 0 for p in new.grasp.mlp[-1].parameters())   # the zero-initialised output learned
+    save_checkpoint(new, tmp_path / "ck", new_cfg)
+    back = load_checkpoint(tmp_path / "ck")
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in new.state_dict().items())
+    with pytest.raises(ValueError, match="needs a world model with a grasp head"):
+        retrain_grasp_head(ChunkFlowWorldModel(**_tiny_cfg(dynamics=dyn)), _tiny_cfg(dynamics=dyn), frames, steps=1)
+
+
+def test_the_retrain_script_writes_a_checkpoint_and_compares_both_heads(tmp_path):
+    """``scripts/retrain_grasp_head.py`` on a world-model checkpoint and its store: a loadable
+    checkpoint with the new head's settings and a report with both heads' held-out grasp figures."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from wmrl.kernel.checkpoint import load_checkpoint, save_checkpoint
+    from wmrl.kernel.storage import EpisodeStore
+    from worldmodels.data import EpisodeFrames
+    from worldmodels.synthetic import make_episode
+    from worldmodels.train import fit_world_model_stats
+    from worldmodels.video_wm import ChunkFlowWorldModel
+
+    store = EpisodeStore.create(tmp_path / "store", cameras={"agentview": (32, 32), "robot0_eye_in_hand": (32, 32)},
+                                state_dim=9, action_dim=7, fps=20, action_space=PANDA_OSC_POSE, durable=False)
+    eps = []
+    for i in range(5):
+        e = make_episode(i, 24, 32, expert=True)
+        e.actions[:, -1] = -1.0
+        e.actions[10:, -1] = 1.0            # every episode closes the gripper at step 10
+        store.append(e)
+        eps.append(e)
+    dyn = {"action_space": PANDA_OSC_POSE.to_dict(), "ensemble": 2, "hidden": 16}
+    cfg = _tiny_cfg(dynamics=dyn, grasp={"anchor_camera": "agentview", "channels": [8, 8, 8, 8], "hidden": 16})
+    wm = ChunkFlowWorldModel(**cfg)
+    fit_world_model_stats(wm, EpisodeFrames(eps, cameras=wm.cameras))
+    save_checkpoint(wm, tmp_path / "wm", cfg)
+    path = Path(__file__).resolve().parents[1] / "scripts" / "retrain_grasp_head.py"
+    spec = importlib.util.spec_from_file_location("retrain_grasp_head", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "out"
+    assert mod.main(["--world-model", str(tmp_path / "wm"), "--store", str(tmp_path / "store"), "--out", str(out),
+                     "--no-wrist", "--steps", "2", "--heldout-every", "2"]) == 0
+    new = load_checkpoint(out / "checkpoints" / "last")
+    assert new.grasp.conv is None
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["wrist"] is False and rep["steps"] == 2
+    for k in ("old", "new"):
+        assert rep[k]["grasp_outcome"]["n"] > 0 and set(rep[k]) == {"grasp_outcome", "grasp_outcome_lead"}
+    with pytest.raises(SystemExit):
+        mod.main(["--out", str(out)])          # neither --run nor --world-model with --store

@@ -25,6 +25,11 @@ where they are until grasped, so the real start frame and a faithful arm tell wh
 around a cube even when the imagined wrist frame is wrong; on the same held-out closing chunks rolled
 4 chunks ahead, the head fed imagined wrist frames told only 62 % of the misses (fingers closing on
 nothing), fed real ones 97 % (docs/measurements.md).
+
+With ``wrist=False`` the head drops the first term (the wrist frame at the chunk's start) and reads
+only the anchor and the arm. Inside an imagined rollout the policy closes the gripper where the
+*imagined* wrist frame shows a cube between the fingers; a head reading that same frame agrees with
+it, so a close on nothing that looks like a grasp in imagination is read as a hold.
 """
 
 from __future__ import annotations
@@ -49,14 +54,21 @@ class GraspHead(nn.Module):
         channels: widths of the four stride-2 convolutions.
         hidden: MLP width. dropout: on the MLP's input (features and conditioning).
         anchor: also read an anchor frame (a second CNN) and the absolute end-effector position.
+        wrist: read the camera's frame at the chunk's start (``False``: an anchor head that does
+            not, so that what it calls a hold depends only on the rollout's real start frame and the
+            imagined arm, not on the imagined frames the policy also acts on; needs ``anchor``).
 
     Raises:
-        ValueError: an image size not divisible by 16, or ``channels`` not four widths.
+        ValueError: an image size not divisible by 16, ``channels`` not four widths, or
+            ``wrist=False`` without ``anchor``.
     """
 
     def __init__(self, chunk_size: int, image_size=(64, 64), gripper_dim: int = -1,
-                 channels=(32, 64, 64, 64), hidden: int = 256, dropout: float = 0.3, anchor: bool = False):
+                 channels=(32, 64, 64, 64), hidden: int = 256, dropout: float = 0.3, anchor: bool = False,
+                 wrist: bool = True):
         super().__init__()
+        if not wrist and not anchor:
+            raise ValueError("a grasp head without the wrist frame (wrist=False) must read an anchor frame (anchor=True)")
         hw = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
         if hw[0] % 16 or hw[1] % 16:
             raise ValueError(f"the grasp head's camera image must be divisible by 16, got {hw}")
@@ -71,10 +83,11 @@ class GraspHead(nn.Module):
             return nn.Sequential(*layers)
 
         feat = int(channels[-1]) * (hw[0] // 16) * (hw[1] // 16)
-        self.conv = cnn()
+        self.wrist = bool(wrist)
+        self.conv = cnn() if self.wrist else None
         self.anchor = bool(anchor)
         self.anchor_conv = cnn() if self.anchor else None
-        d_in = feat + 2 + self.chunk_size + 3 + 2 + ((feat + 6) if self.anchor else 0)
+        d_in = (feat if self.wrist else 0) + 2 + self.chunk_size + 3 + 2 + ((feat + 6) if self.anchor else 0)
         self.mlp = nn.Sequential(nn.Dropout(float(dropout)), nn.Linear(d_in, hidden), nn.SiLU(),
                                  nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, 2))
         nn.init.zeros_(self.mlp[-1].weight)
@@ -85,7 +98,8 @@ class GraspHead(nn.Module):
         """Finger joints after the chunk, ``float32 (B, 2)`` (m).
 
         Args:
-            frame: the camera's frame at the chunk's start, ``float32 (B, 3, Hi, Wi)`` in [-1, 1].
+            frame: the camera's frame at the chunk's start, ``float32 (B, 3, Hi, Wi)`` in [-1, 1]
+                (not read with ``wrist=False``; may be ``None`` then).
             proprio: ``(B, 9)`` at the chunk's start. actions: ``(B, H, D_a)`` (the gripper command in
                 [-1, 1], > 0 closes). predicted: the dynamics' proprio after the chunk, ``(B, 9)``.
             anchor: with ``anchor=True``, the anchor camera's real frame of the rollout's start
@@ -95,8 +109,10 @@ class GraspHead(nn.Module):
             ValueError: an anchor head called without ``anchor``.
         """
         grip = actions[..., self.gripper_dim].float().clamp(-1, 1)
-        parts = [self.conv(frame.float()).flatten(1), proprio[:, FINGERS].float() / GRIP_UNIT, grip,
+        parts = [proprio[:, FINGERS].float() / GRIP_UNIT, grip,
                  (predicted[:, :3] - proprio[:, :3]).float() / POS_UNIT, predicted[:, FINGERS].float() / GRIP_UNIT]
+        if self.wrist:
+            parts.insert(0, self.conv(frame.float()).flatten(1))
         if self.anchor:
             if anchor is None:
                 raise ValueError("this grasp head reads an anchor frame (anchor=True): pass anchor")

@@ -345,6 +345,65 @@ def train_world_model(model: ChunkFlowWorldModel, model_config: dict, train: Epi
     tr.finish(report, save=tr.step > tr.start_step)
     return report
 
+def retrain_grasp_head(model: ChunkFlowWorldModel, model_config: dict, train: EpisodeFrames, steps: int = 700,
+                       head: dict | None = None, grasp: dict | None = None, lr: float = 1e-3, seed: int = 0,
+                       progress: bool = True) -> tuple[ChunkFlowWorldModel, dict]:
+    """A copy of a trained world model with a new finger-gap head (``worldmodels.grasp.GraspHead``)
+    trained alone on ``train``; the dynamics, frames and statistics stay as they are (frozen), so two
+    heads can be compared on one world model. Each step draws the head's windows as
+    :func:`train_world_model` does (:meth:`WorldModelTask.grasp_windows`); AdamW with a one-cycle LR.
+
+    Args:
+        model: a world model with ``dynamics`` and a ``grasp`` head (not changed).
+        model_config: its constructor arguments (the checkpoint's ``config.yaml``).
+        head: overrides of the head's settings (``model_config["grasp"]``), e.g. ``{"wrist": False}``.
+        grasp: overrides of :data:`GRASP_TRAIN` (e.g. ``imagined_chunks``).
+
+    Returns:
+        ``(new model (eval mode), its constructor arguments)``.
+
+    Raises:
+        ValueError: a model without a grasp head, or head settings the head refuses.
+    """
+    import copy
+
+    if model.grasp is None or model_config.get("grasp") is None:
+        raise ValueError("retrain_grasp_head needs a world model with a grasp head (grasp=...)")
+    cfg = copy.deepcopy(model_config)
+    cfg["grasp"] = {**cfg["grasp"], **(head or {})}
+    torch.manual_seed(seed)
+    new = ChunkFlowWorldModel(**{k: v for k, v in cfg.items() if k != "_target_"})
+    missing, unexpected = new.load_state_dict({k: v for k, v in model.state_dict().items()
+                                               if not k.startswith("grasp.")}, strict=False)
+    if unexpected or any(not k.startswith("grasp.") for k in missing):
+        raise ValueError(f"the world model's weights do not fit its config: missing {missing}, unexpected {unexpected}")
+    new.eval()
+    for p in new.parameters():
+        p.requires_grad_(False)
+    params = list(new.grasp.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    task = WorldModelTask(new, cfg, train, None, np.random.default_rng(seed), torch.Generator().manual_seed(seed), 1,
+                          0.0, 0.0, 0, Path("."), False, None, grasp, None)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=max(int(steps), 1), pct_start=0.05)
+    bar = tqdm(range(int(steps)), desc="retrain grasp head", disable=not progress)
+    for _ in bar:
+        w, anchor, anchor_p = task.grasp_windows()
+        new.grasp.train()
+        loss = new.grasp_loss(w.frames, w.proprio, w.prev_proprio, w.actions, w.next_proprio, anchor, anchor_p)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        new.grasp.eval()
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+    for p in params:
+        p.requires_grad_(False)
+    return new, cfg
+
+
 
 # ---------------------------------------------------------------------------- critic
 def _augment(frames: torch.Tensor, rng: np.random.Generator, shift: int = 4, p_blur: float = 0.3) -> torch.Tensor:

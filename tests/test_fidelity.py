@@ -115,6 +115,8 @@ def test_the_check_keeps_its_rollouts_with_the_object_where_the_replay_left_it(e
     z = np.load(tmp_path / "rollouts.npz")
     assert z["imagined_ends"].shape == z["replayed_ends"].shape == (2, len(good) + 2, 9)
     assert z["task"].tolist() == ["lift_red"] * 2 and z["kind"].tolist() == ["init"] * 2
+    assert z["imagined_uncertainty"].shape == (2, len(good) + 2)
+    assert np.isnan(z["imagined_uncertainty"]).all()              # the sim reports no disagreement
     assert np.isnan(z["object_end"][0]).all() and np.isfinite(z["object_end"][1]).all()
     # the open gripper pushed the cube at most a little: it did not rise
     assert moves["lift_red"]["neither"]["n"] == 1 and abs(moves["lift_red"]["neither"]["rise_cm_median"]) < 1.0

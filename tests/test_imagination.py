@@ -302,6 +302,14 @@ def test_an_uncertain_imagined_state_halts_the_slot_with_no_reward():
     assert r.info["halted"].tolist() == [False, True, False]   # slot 2 succeeded (level 110): not halted
     assert r.terminated.tolist() == [False, True, True] and r.reward[1] == 0 and not r.success[1]
     assert r.success[2] and env.halted == 1
+    assert r.info["uncertainty"].tolist() == pytest.approx([0.0, 0.05, 0.05])   # the disagreement itself
+    quiet = ImaginationEnv(ArmWorldModel(), LevelCritic(), num_envs=1, max_chunks=5)   # no halt: still reported
+    quiet.reset([level_start(0)])
+    r = quiet.step(arm_chunk([20], z=[0], gap=[0], grip=[-1], unc=[0.03]))
+    assert r.info["uncertainty"].tolist() == pytest.approx([0.03]) and not r.info["halted"].any()
+    counter = ImaginationEnv(CounterWorldModel(), LevelCritic(), num_envs=1, max_chunks=5)
+    counter.reset([level_start(0)])
+    assert "uncertainty" not in counter.step(torch.zeros(1, 4, 7)).info      # no such capability: no key
     from wmrl.kernel.interfaces import CountingEnv
 
     assert isinstance(env, CountingEnv) and env.counters() == {"halted": 1, "grasp_misses": 0}   # what GRPO reports

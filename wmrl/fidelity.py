@@ -32,6 +32,7 @@ class ChunkEnds:
 
     def __init__(self):
         self.proprio: list[torch.Tensor] = []          # per executed chunk: float32 (B, D_s)
+        self.uncertainty: list[torch.Tensor | None] = []   # per executed chunk: info["uncertainty"] (B,) or None
         self.last_state: dict[int, object] = {}        # slot -> state after its last alive chunk, or None
 
     def before_step(self, env, obs, sample, alive) -> None:
@@ -39,6 +40,8 @@ class ChunkEnds:
 
     def after_step(self, env, res, alive) -> None:
         self.proprio.append(res.info["final_obs"].proprio.float().clone())
+        u = res.info.get("uncertainty")
+        self.uncertainty.append(None if u is None else torch.as_tensor(u).float().clone())
         if isinstance(env, SimStateEnv):
             done = (torch.as_tensor(res.terminated) | torch.as_tensor(res.truncated)).reshape(-1)
             for b in torch.nonzero(alive).flatten().tolist():
@@ -51,6 +54,17 @@ class ChunkEnds:
             n = len(ro.obs)
             out.append(torch.stack(self.proprio[k:k + n]))
             k += n
+        return out
+
+    def split_uncertainty(self, rollouts: Sequence) -> list[torch.Tensor | None]:
+        """Per ``Rollout`` batch: the env's ``info["uncertainty"]`` after each chunk, ``float32 (N, B)``
+        (the world model's disagreement, ``wmrl.imagination.ImaginationEnv``), or ``None`` for a batch
+        whose env gave none."""
+        out, k = [], 0
+        for ro in rollouts:
+            u = self.uncertainty[k:k + len(ro.obs)]
+            out.append(None if any(x is None for x in u) else torch.stack(u))
+            k += len(ro.obs)
         return out
 
 
@@ -224,13 +238,15 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
         of outcome. With ``keep_rollouts`` also ``rollouts`` (not JSON-able), one entry per rollout:
         ``starts``, ``kind``, ``group``, ``imagined``, ``replayed`` (``(M,)``), ``gripper`` (the
         gripper command on each chunk's last step, ``(N_i,)``), ``imagined_ends`` / ``replayed_ends``
-        (chunk-end proprio ``(n_i, D_s)``) and ``replayed_end_state`` (see :func:`replay_actions`).
+        (chunk-end proprio ``(n_i, D_s)``), ``replayed_end_state`` (see :func:`replay_actions`) and
+        ``imagined_uncertainty`` (the imagination env's ``info["uncertainty"]`` after each chunk,
+        ``(n_i,)``, or ``None`` without one).
     """
     rec = ChunkEnds()
     rollouts = collect_groups(imagination_env, policy, starts, group_size, max_chunks, generator=generator,
                               progress=progress, recorder=rec)
-    seq_starts, seqs, imagined, gids, im_paths, im_ends = [], [], [], [], [], []
-    for ro, e in zip(rollouts, rec.split(rollouts)):
+    seq_starts, seqs, imagined, gids, im_paths, im_ends, im_unc = [], [], [], [], [], [], []
+    for ro, e, u in zip(rollouts, rec.split(rollouts), rec.split_uncertainty(rollouts)):
         acts = torch.stack([s.actions for s in ro.samples], 1)          # (B, N, H, D_a)
         for j, g in enumerate(ro.group_ids.tolist()):
             if g < 0:
@@ -241,6 +257,7 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
             gids.append(g)
             im_paths.append(chunk_start_proprio(ro, j))
             im_ends.append(e[:int(ro.alive[j].sum()), j])
+            im_unc.append(None if u is None else u[:int(ro.alive[j].sum()), j])
     replayed_t, re_paths, re_ends, re_states = replay_actions(sim_env, seq_starts, seqs, with_proprio=True)
     replayed = replayed_t.numpy()
     imagined_a = np.asarray(imagined)
@@ -267,4 +284,5 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
             **ranking_stats(imagined_a, replayed, gids_a),
             **({"rollouts": {"starts": seq_starts, "kind": kinds, "group": gids_a, "imagined": imagined_a, "replayed": replayed,
                          "gripper": [q[:, -1, -1].clone() for q in seqs], "imagined_ends": im_ends,
-                         "replayed_ends": re_ends, "replayed_end_state": re_states}} if keep_rollouts else {})}
+                         "replayed_ends": re_ends, "replayed_end_state": re_states,
+                         "imagined_uncertainty": im_unc}} if keep_rollouts else {})}

@@ -22,7 +22,8 @@ Semantics are those of ``sim.env.SimEnv`` (see ``wmrl.kernel.interfaces.ChunkEnv
 * ``halt_uncertainty`` (optional, a world model with the ``UncertainWorldModel`` capability): a slot
   whose imagined state the model is unsure of beyond it halts: terminated, reward 0, no success,
   flagged in ``info["halted"]`` and counted in :attr:`ImaginationEnv.halted` (MOReL's unknown-state
-  halt, Kidambi et al. 2020);
+  halt, Kidambi et al. 2020); with or without the halt, such a world model's disagreement after the
+  chunk is in ``info["uncertainty"]`` (``float32 (B,)``, its units: m for the dynamics ensemble);
 * ``auto_reset=True``: only finished slots restart (from ``next_start(slot)``, by default their last
   ``Start``), ``info["final_obs"]`` keeps the observation before the reset; ``auto_reset=False``:
   finished slots stay finished (no reward, ``steps_executed == 0``, ``info["finished"]``) until
@@ -264,6 +265,7 @@ class ImaginationEnv:
             raise ValueError(f"halt_uncertainty needs a world model with the UncertainWorldModel capability; "
                              f"{type(world_model).__name__} has none (e.g. worldmodel=dynamics)")
         self.halt_uncertainty = None if halt_uncertainty is None else float(halt_uncertainty)
+        self._uncertain = isinstance(world_model, UncertainWorldModel)
         self._merges = isinstance(world_model, SlotStateWorldModel)   # the declared capability, read once
         self.halted = 0   # slots halted so far
 
@@ -376,11 +378,11 @@ class ImaginationEnv:
             succ = torch.where(ruled, succ & torch.from_numpy(rule), succ)
             succ = torch.where(alone, torch.from_numpy(rule) & running, succ)
         halted = torch.zeros(B, dtype=torch.bool)
-        if self.halt_uncertainty is not None:
-            unc = self.world_model.uncertainty(state)
-            if unc is not None:
-                halted = (unc.detach().float().cpu() > self.halt_uncertainty) & running & ~succ
-                self.halted += int(halted.sum())
+        unc = self.world_model.uncertainty(state) if self._uncertain else None
+        unc = None if unc is None else unc.detach().float().cpu()
+        if self.halt_uncertainty is not None and unc is not None:
+            halted = (unc > self.halt_uncertainty) & running & ~succ
+            self.halted += int(halted.sum())
         # finished slots keep their last observation and get nothing
         keep = torch.from_numpy(was_finished)
         if keep.any():
@@ -405,6 +407,8 @@ class ImaginationEnv:
         info = {"final_obs": final_obs, "finished": torch.from_numpy(was_finished),
                 "episode_length": torch.from_numpy(self._chunks * H),
                 "task_name": tasks, "progress": prog, "success_prob": sprob, "halted": halted}
+        if unc is not None:
+            info["uncertainty"] = unc
         obs = final_obs
         if self.auto_reset and done.any():
             slots = [int(b) for b in np.flatnonzero(done)]

@@ -81,7 +81,8 @@ def save_rollouts(path, ro: dict, suite) -> dict:
     """Write the check's rollouts (``wmrl.fidelity.replay_check``'s ``rollouts``) to ``path`` (``.npz``:
     ``task``, ``kind`` (``init`` / ``keyframe``), ``group``, ``imagined``, ``replayed`` ``(M,)``;
     ``gripper`` ``(M, N)`` and chunk-end proprio ``imagined_ends`` / ``replayed_ends`` ``(M, N, D_s)``,
-    NaN past each rollout's end; ``object_start`` / ``object_end`` ``(M, 3)`` m, the task object where
+    NaN past each rollout's end; ``imagined_uncertainty`` ``(M, N)``, the world model's disagreement
+    after each imagined chunk (m for the dynamics ensemble; NaN where the env gave none); ``object_start`` / ``object_end`` ``(M, 3)`` m, the task object where
     the start put it and after the replay's last chunk, NaN where unknown) and return, per task and
     outcome, how far the replay moved the task object up: ``{task: {"imagined_only" | "neither":
     {"n", "rise_cm_median", "rise_cm_q90"}}}`` (a replay that ended in success has no end state).
@@ -98,6 +99,7 @@ def save_rollouts(path, ro: dict, suite) -> dict:
     d = ro["imagined_ends"][0].shape[-1]
     grip = np.full((m, n), np.nan, np.float32)
     im_e, re_e = np.full((m, n, d), np.nan, np.float32), np.full((m, n, d), np.nan, np.float32)
+    unc = np.full((m, n), np.nan, np.float32)
     o0, o1 = np.full((m, 3), np.nan), np.full((m, 3), np.nan)
     locate = isinstance(suite, ObjectLocatingSuite)
     for i, st in enumerate(ro["starts"]):
@@ -105,6 +107,9 @@ def save_rollouts(path, ro: dict, suite) -> dict:
         grip[i, :len(g)] = g
         a, b = ro["imagined_ends"][i].numpy(), ro["replayed_ends"][i].numpy()
         im_e[i, :len(a)], re_e[i, :len(b)] = a, b
+        u = (ro.get("imagined_uncertainty") or [None] * m)[i]
+        if u is not None:
+            unc[i, :len(u)] = u.numpy()
         if locate:
             p0 = suite.object_position(st)
             o0[i] = p0 if p0 is not None else np.nan
@@ -116,7 +121,8 @@ def save_rollouts(path, ro: dict, suite) -> dict:
     kinds = np.asarray(ro["kind"])
     im, re = np.asarray(ro["imagined"], bool), np.asarray(ro["replayed"], bool)
     np.savez_compressed(path, task=tasks, kind=kinds, group=np.asarray(ro["group"]), imagined=im, replayed=re,
-                        gripper=grip, imagined_ends=im_e, replayed_ends=re_e, object_start=o0, object_end=o1)
+                        gripper=grip, imagined_ends=im_e, replayed_ends=re_e, imagined_uncertainty=unc,
+                        object_start=o0, object_end=o1)
     rise = 100 * (o1[:, 2] - o0[:, 2])
     out = {}
     for t in dict.fromkeys(tasks.tolist()):

@@ -117,6 +117,9 @@ def test_the_check_keeps_its_rollouts_with_the_object_where_the_replay_left_it(e
     assert z["task"].tolist() == ["lift_red"] * 2 and z["kind"].tolist() == ["init"] * 2
     assert z["imagined_uncertainty"].shape == (2, len(good) + 2)
     assert np.isnan(z["imagined_uncertainty"]).all()              # the sim reports no disagreement
+    assert z["actions"].shape == (2, len(good) + 2, *good.shape[1:])    # enough to replay each rollout again
+    assert np.array_equal(z["actions"][0, :len(ro["actions"][0])], ro["actions"][0].numpy())
+    assert np.array_equal(z["start_state"][0], ep.sim_states[0]) and z["init_index"].tolist() == [-1, -1]
     assert np.isnan(z["object_end"][0]).all() and np.isfinite(z["object_end"][1]).all()
     # the open gripper pushed the cube at most a little: it did not rise
     assert moves["lift_red"]["neither"]["n"] == 1 and abs(moves["lift_red"]["neither"]["rise_cm_median"]) < 1.0

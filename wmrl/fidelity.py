@@ -236,8 +236,9 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
         :func:`ranking_stats`; the kind of a start: :func:`start_kind`). ``outcome_paths``:
         :func:`outcome_paths` of the imagined and replayed proprio, where the two part for each kind
         of outcome. With ``keep_rollouts`` also ``rollouts`` (not JSON-able), one entry per rollout:
-        ``starts``, ``kind``, ``group``, ``imagined``, ``replayed`` (``(M,)``), ``gripper`` (the
-        gripper command on each chunk's last step, ``(N_i,)``), ``imagined_ends`` / ``replayed_ends``
+        ``starts``, ``kind``, ``group``, ``imagined``, ``replayed`` (``(M,)``), ``actions`` (the
+        chunks imagined and replayed, ``(N_i, H, D_a)``), ``gripper`` (the gripper command on each
+        chunk's last step, ``(N_i,)``), ``imagined_ends`` / ``replayed_ends``
         (chunk-end proprio ``(n_i, D_s)``), ``replayed_end_state`` (see :func:`replay_actions`) and
         ``imagined_uncertainty`` (the imagination env's ``info["uncertainty"]`` after each chunk,
         ``(n_i,)``, or ``None`` without one).
@@ -283,6 +284,6 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
                                        for t in names},
             **ranking_stats(imagined_a, replayed, gids_a),
             **({"rollouts": {"starts": seq_starts, "kind": kinds, "group": gids_a, "imagined": imagined_a, "replayed": replayed,
-                         "gripper": [q[:, -1, -1].clone() for q in seqs], "imagined_ends": im_ends,
+                         "actions": seqs, "gripper": [q[:, -1, -1].clone() for q in seqs], "imagined_ends": im_ends,
                          "replayed_ends": re_ends, "replayed_end_state": re_states,
                          "imagined_uncertainty": im_unc}} if keep_rollouts else {})}

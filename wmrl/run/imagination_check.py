@@ -81,7 +81,10 @@ def save_rollouts(path, ro: dict, suite) -> dict:
     """Write the check's rollouts (``wmrl.fidelity.replay_check``'s ``rollouts``) to ``path`` (``.npz``:
     ``task``, ``kind`` (``init`` / ``keyframe``), ``group``, ``imagined``, ``replayed`` ``(M,)``;
     ``gripper`` ``(M, N)`` and chunk-end proprio ``imagined_ends`` / ``replayed_ends`` ``(M, N, D_s)``,
-    NaN past each rollout's end; ``imagined_uncertainty`` ``(M, N)``, the world model's disagreement
+    NaN past each rollout's end; ``actions`` ``(M, N, H, D_a)`` (the chunks imagined and replayed, NaN
+    past the end), ``init_index`` ``(M,)`` (-1: none), ``split`` and ``start_state`` ``(M, S)`` (the
+    start's flattened MuJoCo state, NaN where the start has none), so a rollout can be replayed
+    again; ``imagined_uncertainty`` ``(M, N)``, the world model's disagreement
     after each imagined chunk (m for the dynamics ensemble; NaN where the env gave none); ``object_start`` / ``object_end`` ``(M, 3)`` m, the task object where
     the start put it and after the replay's last chunk, NaN where unknown) and return, per task and
     outcome, how far the replay moved the task object up: ``{task: {"imagined_only" | "neither":
@@ -100,6 +103,9 @@ def save_rollouts(path, ro: dict, suite) -> dict:
     grip = np.full((m, n), np.nan, np.float32)
     im_e, re_e = np.full((m, n, d), np.nan, np.float32), np.full((m, n, d), np.nan, np.float32)
     unc = np.full((m, n), np.nan, np.float32)
+    acts = np.full((m, n, *ro["actions"][0].shape[1:]), np.nan, np.float32)
+    size = max((len(np.asarray(st.sim_state)) for st in ro["starts"] if st.sim_state is not None), default=0)
+    start_state = np.full((m, size), np.nan)
     o0, o1 = np.full((m, 3), np.nan), np.full((m, 3), np.nan)
     locate = isinstance(suite, ObjectLocatingSuite)
     for i, st in enumerate(ro["starts"]):
@@ -107,6 +113,9 @@ def save_rollouts(path, ro: dict, suite) -> dict:
         grip[i, :len(g)] = g
         a, b = ro["imagined_ends"][i].numpy(), ro["replayed_ends"][i].numpy()
         im_e[i, :len(a)], re_e[i, :len(b)] = a, b
+        acts[i, :len(ro["actions"][i])] = ro["actions"][i].numpy()
+        if st.sim_state is not None:
+            start_state[i] = np.asarray(st.sim_state, dtype=np.float64)
         u = (ro.get("imagined_uncertainty") or [None] * m)[i]
         if u is not None:
             unc[i, :len(u)] = u.numpy()
@@ -122,7 +131,9 @@ def save_rollouts(path, ro: dict, suite) -> dict:
     im, re = np.asarray(ro["imagined"], bool), np.asarray(ro["replayed"], bool)
     np.savez_compressed(path, task=tasks, kind=kinds, group=np.asarray(ro["group"]), imagined=im, replayed=re,
                         gripper=grip, imagined_ends=im_e, replayed_ends=re_e, imagined_uncertainty=unc,
-                        object_start=o0, object_end=o1)
+                        object_start=o0, object_end=o1, actions=acts, start_state=start_state,
+                        init_index=np.asarray([-1 if st.init_index is None else int(st.init_index) for st in ro["starts"]]),
+                        split=np.asarray([st.split for st in ro["starts"]]))
     rise = 100 * (o1[:, 2] - o0[:, 2])
     out = {}
     for t in dict.fromkeys(tasks.tolist()):

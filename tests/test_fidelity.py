@@ -160,3 +160,28 @@ def test_replay_check_reports_keyframe_starts_apart(expert_episode):
     assert list(r["per_start_kind"]) == ["keyframe"]
     k = r["per_start_kind"]["keyframe"]
     assert (k["n"], k["imagined_successes"], k["precision"], k["pair_accuracy"]) == (2, 1, 1.0, 1.0)
+
+
+def test_saved_rollouts_keep_starts_of_scenes_with_other_state_sizes(tmp_path):
+    """Starts in two scenes (MuJoCo states of 5 and 3 values) and one from an init index: each start
+    state is kept NaN-padded, the init index where there is no state; a suite that cannot locate
+    objects gives NaN object positions."""
+    from wmrl.run.imagination_check import save_rollouts
+
+    starts = [Start(task_name="a", instruction="", sim_state=np.arange(5.0)),
+              Start(task_name="b", instruction="", sim_state=np.arange(3.0)),
+              Start(task_name="b", instruction="", init_index=4, split="train")]
+    chunks = [torch.ones(2, 4, 5), torch.zeros(1, 4, 5), torch.ones(3, 4, 5)]
+    ends = [torch.zeros(len(c), 9) for c in chunks]
+    ro = {"starts": starts, "kind": np.array(["init"] * 3), "group": np.arange(3),
+          "imagined": np.array([True, False, False]), "replayed": np.array([False, False, True]),
+          "actions": chunks, "gripper": [c[:, -1, -1] for c in chunks], "imagined_ends": ends, "replayed_ends": ends,
+          "replayed_end_state": [None] * 3, "imagined_uncertainty": [None, torch.full((1,), 0.002), None]}
+    save_rollouts(tmp_path / "r.npz", ro, suite=None)
+    z = np.load(tmp_path / "r.npz")
+    assert z["start_state"].shape == (3, 5) and np.array_equal(z["start_state"][0], np.arange(5.0))
+    assert np.array_equal(z["start_state"][1, :3], np.arange(3.0)) and np.isnan(z["start_state"][1, 3:]).all()
+    assert np.isnan(z["start_state"][2]).all() and z["init_index"].tolist() == [-1, -1, 4]
+    assert z["split"].tolist() == ["eval", "eval", "train"] and z["actions"].shape == (3, 3, 4, 5)
+    assert np.isnan(z["actions"][1, 1:]).all() and np.isnan(z["object_start"]).all()
+    assert np.isnan(z["imagined_uncertainty"][0]).all() and z["imagined_uncertainty"][1, 0] == np.float32(0.002)

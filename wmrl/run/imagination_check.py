@@ -83,7 +83,7 @@ def save_rollouts(path, ro: dict, suite) -> dict:
     ``gripper`` ``(M, N)`` and chunk-end proprio ``imagined_ends`` / ``replayed_ends`` ``(M, N, D_s)``,
     NaN past each rollout's end; ``actions`` ``(M, N, H, D_a)`` (the chunks imagined and replayed, NaN
     past the end), ``init_index`` ``(M,)`` (-1: none), ``split`` and ``start_state`` ``(M, S)`` (the
-    start's flattened MuJoCo state, NaN where the start has none), so a rollout can be replayed
+    start's flattened MuJoCo state, NaN where the start has none and past its size: scenes differ), so a rollout can be replayed
     again; ``imagined_uncertainty`` ``(M, N)``, the world model's disagreement
     after each imagined chunk (m for the dynamics ensemble; NaN where the env gave none); ``object_start`` / ``object_end`` ``(M, 3)`` m, the task object where
     the start put it and after the replay's last chunk, NaN where unknown) and return, per task and
@@ -114,8 +114,9 @@ def save_rollouts(path, ro: dict, suite) -> dict:
         a, b = ro["imagined_ends"][i].numpy(), ro["replayed_ends"][i].numpy()
         im_e[i, :len(a)], re_e[i, :len(b)] = a, b
         acts[i, :len(ro["actions"][i])] = ro["actions"][i].numpy()
-        if st.sim_state is not None:
-            start_state[i] = np.asarray(st.sim_state, dtype=np.float64)
+        if st.sim_state is not None:     # NaN-padded: starts in another scene have another state size
+            state = np.asarray(st.sim_state, dtype=np.float64)
+            start_state[i, :len(state)] = state
         u = (ro.get("imagined_uncertainty") or [None] * m)[i]
         if u is not None:
             unc[i, :len(u)] = u.numpy()

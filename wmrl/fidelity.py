@@ -47,25 +47,25 @@ class ChunkEnds:
             for b in torch.nonzero(alive).flatten().tolist():
                 self.last_state[b] = None if bool(done[b]) else env.sim_state(b)
 
-    def split(self, rollouts: Sequence) -> list[torch.Tensor]:
-        """Per ``Rollout`` batch (in the order executed): chunk-end proprio ``float32 (N, B, D_s)``."""
+    @staticmethod
+    def _per_batch(per_chunk: list, rollouts: Sequence) -> list[list]:
+        """``per_chunk`` (one entry per executed chunk) cut into the ``Rollout`` batches' chunks."""
         out, k = [], 0
         for ro in rollouts:
-            n = len(ro.obs)
-            out.append(torch.stack(self.proprio[k:k + n]))
-            k += n
+            out.append(per_chunk[k:k + len(ro.obs)])
+            k += len(ro.obs)
         return out
+
+    def split(self, rollouts: Sequence) -> list[torch.Tensor]:
+        """Per ``Rollout`` batch (in the order executed): chunk-end proprio ``float32 (N, B, D_s)``."""
+        return [torch.stack(p) for p in self._per_batch(self.proprio, rollouts)]
 
     def split_uncertainty(self, rollouts: Sequence) -> list[torch.Tensor | None]:
         """Per ``Rollout`` batch: the env's ``info["uncertainty"]`` after each chunk, ``float32 (N, B)``
         (the world model's disagreement, ``wmrl.imagination.ImaginationEnv``), or ``None`` for a batch
         whose env gave none."""
-        out, k = [], 0
-        for ro in rollouts:
-            u = self.uncertainty[k:k + len(ro.obs)]
-            out.append(None if any(x is None for x in u) else torch.stack(u))
-            k += len(ro.obs)
-        return out
+        return [None if any(x is None for x in u) else torch.stack(u)
+                for u in self._per_batch(self.uncertainty, rollouts)]
 
 
 def start_kind(start: Start) -> str:
@@ -252,13 +252,14 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
         for j, g in enumerate(ro.group_ids.tolist()):
             if g < 0:
                 continue
+            n = int(ro.alive[j].sum())                                   # chunks slot j executed
             seq_starts.append(starts[g])                                 # group g is starts[g]
-            seqs.append(acts[j, :int(ro.alive[j].sum())])
+            seqs.append(acts[j, :n])
             imagined.append(bool(ro.success[j]))
             gids.append(g)
             im_paths.append(chunk_start_proprio(ro, j))
-            im_ends.append(e[:int(ro.alive[j].sum()), j])
-            im_unc.append(None if u is None else u[:int(ro.alive[j].sum()), j])
+            im_ends.append(e[:n, j])
+            im_unc.append(None if u is None else u[:n, j])
     replayed_t, re_paths, re_ends, re_states = replay_actions(sim_env, seq_starts, seqs, with_proprio=True)
     replayed = replayed_t.numpy()
     imagined_a = np.asarray(imagined)

@@ -261,11 +261,11 @@ class ImaginationEnv:
         if isinstance(halt_uncertainty, str):
             raise ValueError(f"halt_uncertainty={halt_uncertainty!r}: give a number (m); 'calibrated' is resolved by wmrl "
                              "pipeline from the world model's report (heldout_horizons.halt_uncertainty_tau_m)")
-        if halt_uncertainty is not None and not isinstance(world_model, UncertainWorldModel):
+        self._uncertain = isinstance(world_model, UncertainWorldModel)   # the declared capability, read once
+        if halt_uncertainty is not None and not self._uncertain:
             raise ValueError(f"halt_uncertainty needs a world model with the UncertainWorldModel capability; "
                              f"{type(world_model).__name__} has none (e.g. worldmodel=dynamics)")
         self.halt_uncertainty = None if halt_uncertainty is None else float(halt_uncertainty)
-        self._uncertain = isinstance(world_model, UncertainWorldModel)
         self._merges = isinstance(world_model, SlotStateWorldModel)   # the declared capability, read once
         self.halted = 0   # slots halted so far
 

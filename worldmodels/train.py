@@ -383,8 +383,10 @@ def retrain_grasp_head(model: ChunkFlowWorldModel, model_config: dict, train: Ep
     params = list(new.grasp.parameters())
     for p in params:
         p.requires_grad_(True)
-    task = WorldModelTask(new, cfg, train, None, np.random.default_rng(seed), torch.Generator().manual_seed(seed), 1,
-                          0.0, 0.0, 0, Path("."), False, None, grasp, None)
+    # only the head's windows are drawn (grasp_windows): the frame-batch settings are not used
+    task = WorldModelTask(new, cfg, train, heldout=None, rng=np.random.default_rng(seed),
+                          gen=torch.Generator().manual_seed(seed), batch_size=1, p_deterministic=0.0,
+                          p_pure_noise=0.0, video_chunks=0, out_dir=Path("."), fit_stats=False, grasp=grasp)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=max(int(steps), 1), pct_start=0.05)
     bar = tqdm(range(int(steps)), desc="retrain grasp head", disable=not progress)

@@ -81,13 +81,13 @@ def save_rollouts(path, ro: dict, suite) -> dict:
     """Write the check's rollouts (``wmrl.fidelity.replay_check``'s ``rollouts``) to ``path`` (``.npz``:
     ``task``, ``kind`` (``init`` / ``keyframe``), ``group``, ``imagined``, ``replayed`` ``(M,)``;
     ``gripper`` ``(M, N)`` and chunk-end proprio ``imagined_ends`` / ``replayed_ends`` ``(M, N, D_s)``,
-    NaN past each rollout's end; ``actions`` ``(M, N, H, D_a)`` (the chunks imagined and replayed, NaN
-    past the end), ``init_index`` ``(M,)`` (-1: none), ``split`` and ``start_state`` ``(M, S)`` (the
-    start's flattened MuJoCo state, NaN where the start has none and past its size: scenes differ), so a rollout can be replayed
-    again; ``imagined_uncertainty`` ``(M, N)``, the world model's disagreement
-    after each imagined chunk (m for the dynamics ensemble; NaN where the env gave none); ``object_start`` / ``object_end`` ``(M, 3)`` m, the task object where
-    the start put it and after the replay's last chunk, NaN where unknown) and return, per task and
-    outcome, how far the replay moved the task object up: ``{task: {"imagined_only" | "neither":
+    NaN past each rollout's end; ``actions`` ``(M, N, H, D_a)`` (the chunks imagined and replayed,
+    NaN past the end), ``init_index`` ``(M,)`` (-1: none), ``split`` and ``start_state`` ``(M, S)``
+    (the start's flattened MuJoCo state, NaN where the start has none and past its size: scenes
+    differ), so a rollout can be replayed again; ``imagined_uncertainty`` ``(M, N)``, the world
+    model's disagreement after each imagined chunk (m for the dynamics ensemble; NaN where the env
+    gave none); ``object_start`` / ``object_end`` ``(M, 3)`` m, the task object where the start put it
+    and after the replay's last chunk, NaN where unknown) and return, per task and outcome, how far the replay moved the task object up: ``{task: {"imagined_only" | "neither":
     {"n", "rise_cm_median", "rise_cm_q90"}}}`` (a replay that ended in success has no end state).
 
     The end state's object is read by an ``ObjectLocatingSuite`` (``sim.suite.Suite.object_position``);
@@ -108,6 +108,7 @@ def save_rollouts(path, ro: dict, suite) -> dict:
     start_state = np.full((m, size), np.nan)
     o0, o1 = np.full((m, 3), np.nan), np.full((m, 3), np.nan)
     locate = isinstance(suite, ObjectLocatingSuite)
+    uncertainty = ro.get("imagined_uncertainty") or [None] * m
     for i, st in enumerate(ro["starts"]):
         g = ro["gripper"][i].numpy()
         grip[i, :len(g)] = g
@@ -117,7 +118,7 @@ def save_rollouts(path, ro: dict, suite) -> dict:
         if st.sim_state is not None:     # NaN-padded: starts in another scene have another state size
             state = np.asarray(st.sim_state, dtype=np.float64)
             start_state[i, :len(state)] = state
-        u = (ro.get("imagined_uncertainty") or [None] * m)[i]
+        u = uncertainty[i]
         if u is not None:
             unc[i, :len(u)] = u.numpy()
         if locate:

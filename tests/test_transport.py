@@ -308,6 +308,28 @@ def test_ros2_loopback_config_is_loopback_only():
     assert '<Peer address="127.0.0.1"/>' in xml
 
 
+def test_ros2_matched_publications_read_again_when_a_writer_matches_mid_read():
+    """cyclonedds sizes the handle buffer with one call and fills it with another: a writer that
+    matches in between raises IndexError inside the binding; the server reads the handles again
+    instead of failing the session (seen in CI as a failed heartbeat test)."""
+    from robot_bridge.transports.ros2_session import _matched_publications
+
+    class Reader:
+        def __init__(self, races):
+            self.races, self.calls = races, 0
+
+        def get_matched_publications(self):
+            self.calls += 1
+            if self.calls <= self.races:
+                raise IndexError("invalid index")
+            return [7, 9]
+
+    r = Reader(races=2)
+    assert _matched_publications(r) == [7, 9] and r.calls == 3
+    with pytest.raises(IndexError):
+        _matched_publications(Reader(races=10), tries=3)
+
+
 _DOMAIN = [100 + (os.getpid() % 100)]
 
 

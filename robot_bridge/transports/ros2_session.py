@@ -104,8 +104,24 @@ class Ros2SessionTable:
             return False
         with self._lock:
             handles = set(self._key_handles.get(key, ()))
-        matched = {int(h) % _U64 for r in self._readers for h in r.get_matched_publications()}
+        matched = {int(h) % _U64 for r in self._readers for h in _matched_publications(r)}
         return bool(handles & matched)
+
+
+def _matched_publications(reader, tries: int = 5) -> list[int]:
+    """Instance handles of the writers matched to ``reader``.
+
+    cyclonedds' ``get_matched_publications`` sizes its buffer with one call and fills it with a
+    second; a writer matched between the two makes it raise ``IndexError``. The handles are read
+    again then (a handful of tries; a match storm that outlasts them re-raises)."""
+    for attempt in range(tries):
+        try:
+            return reader.get_matched_publications()
+        except IndexError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.001)
+    return []
 
 
 def _get(inbox: queue.Queue, timeout: float | None):

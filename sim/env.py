@@ -87,6 +87,7 @@ class TaskEnv:
         self.task: TaskSpec | None = None
         self.elapsed = 0
         self.state_size = 1 + self.model.nq + self.model.nv
+        self._contact_geoms = None  # (gripper geom ids, {object: geom ids}), on first use
 
     # ---------------------------------------------------------------- reset / step
     def reset(self, task: TaskSpec | str, sim_state: np.ndarray) -> None:
@@ -160,6 +161,35 @@ class TaskEnv:
         """``{"images": {cam: uint8 (3, Hi, Wi)}, "proprio": float32 (9,)}``."""
         return {"images": {c: np.ascontiguousarray(self.render(c).transpose(2, 0, 1)) for c in self.cameras},
                 "proprio": self.proprio()}
+
+    def gripper_contact_forces(self) -> dict[str, float]:
+        """Normal contact force (N, >= 0) that the gripper's collision geoms (hand, fingers, pads)
+        and each object of the scene, or the table, press on each other at this instant: the sum over
+        MuJoCo's active contacts of the normal component of ``mujoco.mj_contactForce``. Keys: the
+        scene's object names (``"red"``, ``"green"``, ``"target"``, ...) and ``"table"``; ``0.0``
+        where nothing touches. Read-only (no physics step)."""
+        import mujoco
+
+        if self._contact_geoms is None:
+            gid = lambda n: mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_GEOM, n)
+            self._contact_geoms = ({gid(n) for n in self._gripper.contact_geoms},
+                                   {k: {gid(n) for n in o.contact_geoms} for k, o in self.rs.objects.items()}
+                                   | {"table": {gid("table_collision")} - {-1}})
+        grip, others = self._contact_geoms
+        out = {k: 0.0 for k in others}
+        f6 = np.zeros(6)
+        for c in range(self.data.ncon):
+            con = self.data.contact[c]
+            g1, g2 = int(con.geom1), int(con.geom2)
+            if (g1 in grip) == (g2 in grip):
+                continue
+            other = g2 if g1 in grip else g1
+            for k, ids in others.items():
+                if other in ids:
+                    mujoco.mj_contactForce(self.model, self.data, c, f6)
+                    out[k] += abs(float(f6[0]))
+                    break
+        return out
 
     def privileged(self) -> dict:
         """Privileged world-frame state for success predicates and scripted experts:

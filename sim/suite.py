@@ -119,6 +119,21 @@ class Suite:
         Raises:
             ValueError: a task not in the suite, or a state of the wrong size for its scene.
         """
+        return self._position(start, self.task(start.task_name).obj)
+
+    def goal_position(self, start: Start) -> np.ndarray | None:
+        """Where the start's goal object (``TaskSpec.goal``, e.g. the green cube of
+        ``stack_red_on_green``) is: ``float64 (3,)``, m, robot base frame, read as
+        :meth:`object_position` reads the task object; ``None`` for a task without a goal or a start
+        without a state. ``wmrl.imagination.ProprioLiftRule``'s place box reads it.
+
+        Raises:
+            ValueError: a task not in the suite, or a state of the wrong size for its scene.
+        """
+        goal = self.task(start.task_name).goal
+        return None if goal is None else self._position(start, goal)
+
+    def _position(self, start: Start, name: str) -> np.ndarray | None:
         spec = self.task(start.task_name)
         state = start.sim_state
         if state is None:
@@ -137,7 +152,7 @@ class Suite:
         env.sim.set_state_from_flattened(state)
         env.sim.forward()
         pv = env.privileged()
-        return pv["base_mat"].T @ (pv["objects"][spec.obj]["pos"] - pv["base_pos"])
+        return pv["base_mat"].T @ (pv["objects"][name]["pos"] - pv["base_pos"])
 
     # ------------------------------------------------------------------ factories
     def make_env(self, num_envs: int, auto_reset: bool = True, next_start=None, device="cpu",

@@ -541,3 +541,103 @@ def test_a_slot_truncates_at_its_tasks_step_limit():
     r4 = env.step(chunk([0, 0]))
     assert r4.truncated.tolist() == [False, True]          # max_chunks
     assert r4.steps_executed.tolist() == [0, 4]
+
+
+def _place_env(goals, **rule_kw):
+    """Three stacking slots of ArmWorldModel (the end effector is at x = y = k after chunk k): the red
+    cube at (1, 1, 0), picked up in chunk 1, carried in chunk 2 (8 steps closed: held), let go in
+    chunk 3 (starting at x = y = 2, the end of chunk 2)."""
+    from wmrl.imagination import ProprioLiftRule
+
+    rule = ProprioLiftRule(["lift"], closed_steps=8, gap_min_m=0.025, rise_min_m=0.04, release_tasks=["stack"],
+                           grasp_box_m=(0.035, 0.03, 0.02), place_box_m=(0.02, 0.02, 0.08),
+                           releases_need_critic=False, **rule_kw)
+    starts = [level_start(0, "stack") for _ in goals]
+    for j, s in enumerate(starts):
+        s.instruction = str(j)
+    env = ImaginationEnv(ArmWorldModel(), LevelCritic(), num_envs=len(goals), max_chunks=8, auto_reset=False,
+                         proprio_success=rule, start_objects=lambda s: (1.0, 1.0, 0.0),
+                         start_goals=lambda s: goals[int(s.instruction)])
+    return env, starts
+
+
+def test_place_box_scores_a_release_over_the_goal_without_the_critic():
+    """The critic never says success (level 0); with ``releases_need_critic=False`` the rule decides.
+    Slot 0's goal sits 4.5 cm below where the cube is let go (a stack: success); slot 1's 3 cm off
+    in x (a miss); slot 2's is unknown (never a miss). Slot 1 cannot score later either: its release
+    was judged and the object let go, so the open hand drifting on (over its goal or not) is nothing."""
+    goals = [(2.0, 2.0, -0.045), (2.03, 2.0, -0.045), None]
+    env, starts = _place_env(goals)
+    env.reset(starts)
+    n = len(goals)
+    assert not env.step(arm_chunk([0] * n, z=[0.0] * n, gap=[0.04] * n, grip=[1] * n)).success.any()  # close at (1, 1)
+    assert not env.step(arm_chunk([0] * n, z=[0.0] * n, gap=[0.04] * n, grip=[1] * n)).success.any()  # carried to (2, 2)
+    r = env.step(arm_chunk([0] * n, z=[0.0] * n, gap=[0.08] * n, grip=[-1] * n))                       # let go
+    assert r.success.tolist() == [True, False, True]
+    r = env.step(arm_chunk([0] * n, z=[0.0] * n, gap=[0.08] * n, grip=[-1] * n))
+    assert not r.success.any()
+
+
+def test_place_box_reads_the_hand_where_the_release_begins():
+    """The release is judged where the hand is when the open chunk starts, in the base frame: within
+    ``r`` horizontally of the goal and ``z_min..z_max`` above it; a release over nothing clears the
+    hold (judged once), so the next open chunk, even over the goal, is no stack."""
+    from wmrl.imagination import ProprioLiftRule
+
+    rule = ProprioLiftRule(["lift"], closed_steps=4, gap_min_m=0.025, release_tasks=["stack"],
+                           place_box_m=(0.02, 0.02, 0.08), releases_need_critic=False)
+    hand = np.array([2.0, 2.0, 0.0])
+    goals = hand - np.array([[0.0, 0.019, 0.045],    # inside
+                             [0.015, 0.015, 0.045],  # 2.1 cm off horizontally
+                             [0.0, 0.0, 0.015],      # too low (the cube would be in the goal)
+                             [0.0, 0.0, 0.085],      # too high (a drop)
+                             [np.nan] * 3])          # unknown: never a miss
+    assert rule.place_miss(np.tile(hand, (5, 1)), goals).tolist() == [False, True, True, True, False]
+    n = len(goals)
+    closed, z_low, held = np.zeros(n, int), np.zeros(n), np.zeros(n, bool)
+
+    def step(grip, gap):
+        p = torch.zeros(n, 9)
+        p[:, :3] = torch.as_tensor(hand)
+        p[:, 7], p[:, 8] = gap / 2, -gap / 2
+        return rule.update(closed, z_low, p, p, torch.full((n, 4, 5), float(grip)), held, ["stack"] * n, goals=goals)
+
+    step(1, 0.04)
+    step(1, 0.04)                              # 8 steps closed on a 4 cm object: held
+    assert held.all()
+    assert step(-1, 0.08).tolist() == [True, False, False, False, True]
+    assert not held.any()                      # let go: judged once
+    assert not step(-1, 0.08).any()
+
+
+def test_a_start_with_the_fingers_on_an_object_already_holds():
+    """``start_holding_max_gap_m``: two keyframe starts in a carry, the end effector at (0, 0, 0).
+    Slot 0's real fingers are 4 cm apart (on the cube): its closed streak starts at ``closed_steps``,
+    so one closed chunk (4 steps) carrying it to (1, 1) is a hold and letting go there, over the
+    goal, a stack. Slot 1's fingers are 8 cm apart (open): 4 closed steps are not a hold, and the
+    same release scores nothing."""
+    from wmrl.imagination import ProprioLiftRule
+
+    env, starts = _place_env([(1.0, 1.0, -0.045)] * 2, start_holding_max_gap_m=0.06)
+    env.start_objects = lambda s: (0.0, 0.0, 0.0)      # the cube in the hand (the grasp box passes the carry)
+    for s, gap in zip(starts, (0.04, 0.08)):
+        s.context.proprio[:, 7], s.context.proprio[:, 8] = gap / 2, -gap / 2
+    rule = env.proprio_success
+    assert rule.starts_holding(torch.cat([s.context.proprio for s in starts])).tolist() == [True, False]
+    env.reset(starts)
+    assert not env.step(arm_chunk([0, 0], z=[0.0, 0.0], gap=[0.04, 0.04], grip=[1, 1])).success.any()
+    r = env.step(arm_chunk([0, 0], z=[0.0, 0.0], gap=[0.08, 0.08], grip=[-1, -1]))
+    assert r.success.tolist() == [True, False]
+    assert not ProprioLiftRule(["lift"]).starts_holding(starts[0].context.proprio).any()   # off by default
+
+
+def test_place_box_options_are_checked():
+    from wmrl.imagination import ProprioLiftRule
+
+    for box in ((0.015, 0.02), (0.0, 0.02, 0.08), (0.015, 0.08, 0.02)):
+        with pytest.raises(ValueError, match="place_box_m"):
+            ProprioLiftRule(["lift"], place_box_m=box)
+    with pytest.raises(ValueError, match="needs a place_box_m"):
+        ProprioLiftRule(["lift"], releases_need_critic=False)
+    with pytest.raises(ValueError, match="start_holding_max_gap_m"):
+        ProprioLiftRule(["lift"], gap_min_m=0.02, start_holding_max_gap_m=0.02)

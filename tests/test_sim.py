@@ -371,6 +371,43 @@ def test_object_position_is_the_task_objects_place_in_the_base_frame(suite):
         suite.object_position(Start(task_name="lift_red", instruction="", sim_state=np.zeros(3)))
 
 
+def test_goal_position_is_the_goal_objects_place_in_the_base_frame(suite):
+    """``Suite.goal_position`` (the place box's start-state perception): stacking's goal, the green
+    cube, read as ``object_position`` reads the task object; a task without a goal gives ``None``."""
+    from sim.env import TaskEnv
+
+    env = TaskEnv("two_cubes", cameras=())
+    state = suite.init_state("stack_red_on_green", "train", 2)
+    env.reset("stack_red_on_green", state)
+    pv = env.privileged()
+    want = pv["base_mat"].T @ (pv["objects"]["green"]["pos"] - pv["base_pos"])
+    for start in (Start(task_name="stack_red_on_green", instruction="", init_index=2, split="train"),
+                  Start(task_name="stack_red_on_green", instruction="", sim_state=state)):
+        np.testing.assert_allclose(suite.goal_position(start), want, atol=1e-9)
+    red = suite.object_position(Start(task_name="stack_red_on_green", instruction="", sim_state=state))
+    assert np.linalg.norm(red[:2] - want[:2]) >= 0.09          # the layout keeps the cubes 9 cm apart
+    assert suite.goal_position(Start(task_name="lift_red", instruction="", sim_state=state)) is None
+
+
+def test_a_place_box_needs_a_suite_that_locates_goals(suite):
+    from wmrl.kernel.interfaces import GoalLocatingSuite
+    from wmrl.run.builders import with_suite
+
+    opts = {"proprio_success": {"tasks": ["lift_red"], "release_tasks": ["stack_red_on_green"],
+                                "place_box_m": [0.015, 0.02, 0.08]}}
+    assert isinstance(suite, GoalLocatingSuite)
+    out = with_suite(opts, suite)
+    assert out["start_goals"] == suite.goal_position and "start_objects" not in out   # the box reads the goal only
+
+    class Objects:       # locates task objects, not goals
+        def object_position(self, start):
+            return None
+
+    with pytest.raises(ValueError, match="place_box_m=null"):
+        with_suite({**opts, "task_step_limits": False}, Objects())
+    assert "start_goals" not in with_suite({"proprio_success": {"tasks": ["lift_red"], "grasp_box_m": [0.03] * 3}}, suite)
+
+
 def test_a_grasp_box_needs_a_suite_that_locates_objects(suite):
     from wmrl.kernel.interfaces import ObjectLocatingSuite
     from wmrl.run.builders import with_suite

@@ -19,6 +19,8 @@ Semantics are those of ``sim.env.SimEnv`` (see ``wmrl.kernel.interfaces.ChunkEnv
   with the rule's ``grasp_box_m`` and a ``start_objects`` callable, a close whose imagined end
   effector is not around the task's object (where the start's init state puts it) is a miss, and
   the fingers' imagined gap cannot turn it into a hold (counted in :attr:`ImaginationEnv.grasp_misses`);
+  with its ``place_box_m`` and a ``start_goals`` callable, a release is a success only with the hand
+  that lets go over the goal object (where the start put it);
 * ``halt_uncertainty`` (optional, a world model with the ``UncertainWorldModel`` capability): a slot
   whose imagined state the model is unsure of beyond it halts: terminated, reward 0, no success,
   flagged in ``info["halted"]`` and counted in :attr:`ImaginationEnv.halted` (MOReL's unknown-state
@@ -74,6 +76,19 @@ class ProprioLiftRule:
     ``ImaginationEnv``'s ``start_objects``); otherwise the slot's grasp is a *miss* and cannot hold
     until the gripper is commanded open again. An unknown object position (NaN) is never a miss.
 
+    **The place box** (``place_box_m = (r, z_min, z_max)``, m; release tasks only): the critic on
+    imagined frames misses most real stacks (seed-0 check of 2026-12-07: 2 imagined against 26
+    replayed; docs/measurements.md), while the imagined arm is within a few mm of the real one. So the
+    release is also judged geometrically, as the grasp box judges the close: the end effector where
+    the release chunk starts (the hand that lets go) must lie within ``r`` horizontally of the goal
+    object's start position (``ImaginationEnv``'s ``start_goals``) and ``z_min..z_max`` above it. (The
+    object's offset in the hand is not subtracted: read from the arm at the close it made the rule
+    worse on recorded stacks, the hand moving while the fingers close; ``tests/test_place_rule.py``.)
+    Only the first release after a hold is judged (the object has been let go: ``held`` is
+    cleared), so an open hand that later drifts over the goal scores nothing. An unknown goal (NaN)
+    never fails the box. Without a place box ``held`` persists and every
+    later open chunk is a release (the critic decides where the object is).
+
     Args:
         tasks: the lift task names the rule applies to (the others: the critic alone).
         release_tasks: the placing task names (see above).
@@ -87,15 +102,24 @@ class ProprioLiftRule:
             the command turned open finds the real fingers still on the object (the sim's
             stacking success needs it let go); every imagined stacking success that failed in the
             sim on the seed-1 check of 2026-12-07 was that (docs/measurements.md).
+        place_box_m: ``(r, z_min, z_max)`` in m, or ``None`` (no geometric check of the release).
+        releases_need_critic: ``False``: a release task's success is the rule alone (needs a place box).
+        start_holding_max_gap_m: a start whose real finger gap (proprio dims 7 - 8) is within
+            ``gap_min_m..start_holding_max_gap_m`` already holds an object (a keyframe during a
+            carry): its closed streak starts at ``closed_steps`` (``ImaginationEnv`` applies it at a
+            reset). ``None``: every start begins with the streak at 0.
 
     Raises:
-        ValueError: a task both a lift and a release task, or a grasp box that is not 3 positive lengths.
+        ValueError: a task both a lift and a release task, a grasp box that is not 3 positive lengths,
+            a place box that is not ``(r > 0, z_min < z_max)``, or ``releases_need_critic=False``
+            without a place box.
     """
 
     def __init__(self, tasks: Sequence[str], closed_steps: int = 12, gap_min_m: float = 0.02,
                  rise_min_m: float = 0.055, gripper_dim: int = -1, release_tasks: Sequence[str] = (),
                  grasp_box_m: Sequence[float] | None = None, lifts_need_critic: bool = True,
-                 release_open_steps: int = 1):
+                 release_open_steps: int = 1, place_box_m: Sequence[float] | None = None,
+                 releases_need_critic: bool = True, start_holding_max_gap_m: float | None = None):
         self.tasks, self.release_tasks = set(tasks), set(release_tasks)
         if self.tasks & self.release_tasks:
             raise ValueError(f"tasks {sorted(self.tasks & self.release_tasks)} are both lifts and release tasks")
@@ -111,6 +135,19 @@ class ProprioLiftRule:
         if int(release_open_steps) < 1:
             raise ValueError(f"release_open_steps must be >= 1, got {release_open_steps}")
         self.release_open_steps = int(release_open_steps)
+        if place_box_m is not None:
+            box = [float(x) for x in place_box_m]
+            if len(box) != 3 or not np.isfinite(box).all() or box[0] <= 0 or box[1] >= box[2]:
+                raise ValueError(f"place_box_m must be (r > 0, z_min < z_max) in m, got {list(place_box_m)}")
+            place_box_m = np.array(box)
+        self.place_box_m = place_box_m
+        self.releases_need_critic = bool(releases_need_critic)
+        if not self.releases_need_critic and self.place_box_m is None:
+            raise ValueError("releases_need_critic=False needs a place_box_m: without it nothing says where the "
+                             "object was let go")
+        if start_holding_max_gap_m is not None and not float(start_holding_max_gap_m) > self.gap_min_m:
+            raise ValueError(f"start_holding_max_gap_m must exceed gap_min_m={self.gap_min_m}, got {start_holding_max_gap_m}")
+        self.start_holding_max_gap_m = None if start_holding_max_gap_m is None else float(start_holding_max_gap_m)
 
     def applies(self, task_names: Sequence[str]) -> np.ndarray:
         return np.array([t in self.tasks or t in self.release_tasks for t in task_names], dtype=bool)
@@ -120,6 +157,31 @@ class ProprioLiftRule:
 
     def lifts(self, task_names: Sequence[str]) -> np.ndarray:
         return np.array([t in self.tasks for t in task_names], dtype=bool)
+
+    def alone(self, task_names: Sequence[str]) -> np.ndarray:
+        """``bool (B,)``: slots whose success is the rule alone (``lifts_need_critic`` /
+        ``releases_need_critic`` false)."""
+        return ((self.lifts(task_names) & (not self.lifts_need_critic))
+                | (self.releases(task_names) & (not self.releases_need_critic)))
+
+    def starts_holding(self, proprio: torch.Tensor) -> np.ndarray:
+        """``bool (B,)``: starts whose real proprio ``(B, D_s)`` shows the fingers on an object (gap within
+        ``gap_min_m..start_holding_max_gap_m``); all ``False`` when that option is off."""
+        gap = (proprio[:, 7] - proprio[:, 8]).double().numpy()
+        if self.start_holding_max_gap_m is None:
+            return np.zeros(len(gap), dtype=bool)
+        return (gap >= self.gap_min_m) & (gap <= self.start_holding_max_gap_m)
+
+    def place_miss(self, ee: np.ndarray, goals: np.ndarray) -> np.ndarray:
+        """``bool (B,)``: the end effector ``ee`` ``(B, 3)`` (m) is outside the place box around ``goals``
+        ``(B, 3)`` (m, robot base frame; NaN: unknown, never a miss). All ``False`` without a place box."""
+        if self.place_box_m is None:
+            return np.zeros(len(ee), dtype=bool)
+        off = np.asarray(ee, np.float64) - np.asarray(goals, np.float64)
+        known = np.isfinite(off).all(1)
+        off = np.nan_to_num(off)
+        r, z_min, z_max = self.place_box_m
+        return known & ((np.hypot(off[:, 0], off[:, 1]) > r) | (off[:, 2] < z_min) | (off[:, 2] > z_max))
 
     def box_miss(self, ee: np.ndarray, objects: np.ndarray) -> np.ndarray:
         """``bool (B,)``: the end effector ``ee`` ``(B, 3)`` (m) is outside the grasp box around
@@ -135,13 +197,16 @@ class ProprioLiftRule:
 
     def update(self, closed: np.ndarray, z_low: np.ndarray, start: torch.Tensor, end: torch.Tensor,
                actions: torch.Tensor, held: np.ndarray, task_names: Sequence[str],
-               missed: np.ndarray | None = None, objects: np.ndarray | None = None) -> np.ndarray:
+               missed: np.ndarray | None = None, objects: np.ndarray | None = None,
+               goals: np.ndarray | None = None) -> np.ndarray:
         """Advance the slots' streaks ``closed`` (int, steps), ``z_low`` (m) and ``held`` (bool: an
         object was held at an earlier chunk end) in place over one chunk from proprio ``start`` to
         ``end`` (``(B, D_s)``) under ``actions`` ``(B, H, D_a)``; returns the rule's ``bool (B,)`` at
         the chunk's end (the release rule for the slots whose ``task_names`` are release tasks).
         With a grasp box, ``missed`` (bool ``(B,)``, in place: the current close is a miss) and
-        ``objects`` (``(B, 3)`` m, the task's object at the rollout's start, NaN: unknown) apply it."""
+        ``objects`` (``(B, 3)`` m, the task's object at the rollout's start, NaN: unknown) apply it.
+        With a place box, ``goals`` (``(B, 3)`` m, the goal object at the rollout's start, NaN: unknown)
+        apply it."""
         g = (actions[..., self.gripper_dim] > 0).numpy()
         H = g.shape[1]
         z0, z1 = start[:, 2].double().numpy(), end[:, 2].double().numpy()
@@ -164,6 +229,10 @@ class ProprioLiftRule:
             holding &= ~missed
         lift = holding & (z1 - z_low >= self.rise_min_m)
         release = held & (_trailing_steps(~g) >= min(self.release_open_steps, H))
+        if self.place_box_m is not None and goals is not None:
+            placed = ~self.place_miss(start[:, :3].double().numpy(), goals)
+            held &= ~release            # let go: only the first release after a hold is judged
+            release &= placed
         held |= holding
         return np.where(self.releases(task_names), release, lift)
 
@@ -210,6 +279,9 @@ class ImaginationEnv:
         start_objects: ``Start -> float (3,) | None``: the position (m, robot base frame) of the
             start's task object, for the rule's grasp box (``sim.suite.Suite.object_position``
             reads it from the start's init state); ``None`` (or a ``None`` result): unknown, no box.
+        start_goals: ``Start -> float (3,) | None``: the position (m, robot base frame) of the
+            start's goal object, for the rule's place box (``sim.suite.Suite.goal_position``);
+            ``None`` (or a ``None`` result): unknown, no place check.
 
     Raises:
         ValueError: bad sizes, or ``halt_uncertainty`` with a world model without the
@@ -221,7 +293,7 @@ class ImaginationEnv:
                  auto_reset: bool = True, success_patience: int = 1, next_start: Callable[[int], Start] | None = None,
                  seed: int | None = 0, action_dim: int | None = None, proprio_success: ProprioLiftRule | None = None,
                  halt_uncertainty: float | None = None, start_objects: Callable[[Start], object] | None = None,
-                 max_steps: Callable[[str], int] | None = None):
+                 max_steps: Callable[[str], int] | None = None, start_goals: Callable[[Start], object] | None = None):
         if int(num_envs) < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         if int(max_chunks) < 1:
@@ -257,6 +329,8 @@ class ImaginationEnv:
         self._step_limit = np.full(self.num_envs, np.iinfo(np.int64).max, dtype=np.int64)
         self._objects = np.full((self.num_envs, 3), np.nan)
         self._missed = np.zeros(self.num_envs, dtype=bool)
+        self.start_goals = start_goals
+        self._goals = np.full((self.num_envs, 3), np.nan)
         self.grasp_misses = 0   # closes the grasp box judged misses (proprio_success.grasp_box_m)
         if isinstance(halt_uncertainty, str):
             raise ValueError(f"halt_uncertainty={halt_uncertainty!r}: give a number (m); 'calibrated' is resolved by wmrl "
@@ -299,7 +373,17 @@ class ImaginationEnv:
                 self._step_limit[b] = int(self.max_steps(s.task_name))
             pos = None if self.start_objects is None else self.start_objects(s)
             self._objects[b] = np.nan if pos is None else np.asarray(pos, dtype=np.float64).reshape(3)
+            wants_goal = self.proprio_success is None or s.task_name in self.proprio_success.release_tasks
+            pos = None if self.start_goals is None or not wants_goal else self.start_goals(s)   # placing tasks only
+            self._goals[b] = np.nan if pos is None else np.asarray(pos, dtype=np.float64).reshape(3)
             self._finished[b] = False
+        if self.proprio_success is not None:     # a start already holding an object (a keyframe in a carry)
+            first = Obs.cat(firsts).proprio.float().cpu()
+            holds = self.proprio_success.starts_holding(first)
+            for j, b in enumerate(slots):
+                if holds[j]:
+                    self._closed[b] = self.proprio_success.closed_steps
+                    self._z_low[b] = float(first[j, 2])
         self._obs = obs
         fresh = self.world_model.init(obs)
         if current is not None and self._state is not None and self._merges:
@@ -371,10 +455,11 @@ class ImaginationEnv:
             rule_ = self.proprio_success
             missed_before = self._missed.copy()
             rule = rule_.update(self._closed, self._z_low, self._obs.proprio, pred.proprio, a, held=self._held,
-                                task_names=tasks, missed=self._missed, objects=self._objects)
+                                task_names=tasks, missed=self._missed, objects=self._objects,
+                                goals=self._goals)
             self.grasp_misses += int((self._missed & ~missed_before & ~was_finished).sum())
             ruled = torch.from_numpy(rule_.applies(tasks))
-            alone = torch.from_numpy(rule_.lifts(tasks) & (not rule_.lifts_need_critic))
+            alone = torch.from_numpy(rule_.alone(tasks))
             succ = torch.where(ruled, succ & torch.from_numpy(rule), succ)
             succ = torch.where(alone, torch.from_numpy(rule) & running, succ)
         halted = torch.zeros(B, dtype=torch.bool)

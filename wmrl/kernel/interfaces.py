@@ -257,6 +257,16 @@ class ObjectLocatingSuite(Protocol):
 
 
 @runtime_checkable
+class GoalLocatingSuite(Protocol):
+    """Capability: a suite that says where a start's goal object is (a placing task's base, e.g. the
+    green cube of ``stack_red_on_green``), for the imagination's place box
+    (``wmrl.imagination.ProprioLiftRule``). Implementation: ``sim.suite.Suite.goal_position``."""
+
+    def goal_position(self, start: Start) -> Any:
+        """``float64 (3,)`` (m, robot base frame), or ``None`` where the start or its task does not say."""
+
+
+@runtime_checkable
 class CountingEnv(Protocol):
     """Capability: a ``ChunkEnv`` that counts events a run's report should show (e.g. ``ImaginationEnv``:
     slots its uncertainty gate halted, closes its grasp box judged misses); ``wmrl post-train`` reports

@@ -77,26 +77,36 @@ def make_imagination_env(world_model: str, critic: str, num_envs: int, seed: int
 
 def with_suite(options: dict, suite) -> dict:
     """``options`` of an ImaginationEnv completed from the ``suite`` it imagines: ``max_steps=
-    suite.max_steps`` (the tasks' step limits, unless ``task_step_limits: false`` or no suite), and
+    suite.max_steps`` (the tasks' step limits, unless ``task_step_limits: false`` or no suite),
     ``start_objects=suite.object_position`` when ``proprio_success`` has a ``grasp_box_m`` (the box
-    needs where each start's object is).
+    needs where each start's object is), and ``start_goals=suite.goal_position`` when it has a
+    ``place_box_m`` (where each start's goal object is).
 
     Raises:
-        ValueError: a grasp box without a suite, or with a suite that cannot say where objects are.
+        ValueError: a grasp or place box without a suite, or with a suite that cannot say where
+            objects (``ObjectLocatingSuite``) or goals (``GoalLocatingSuite``) are.
     """
-    from wmrl.kernel.interfaces import ObjectLocatingSuite
+    from wmrl.kernel.interfaces import GoalLocatingSuite, ObjectLocatingSuite
 
     options = dict(options)
     if options.pop("task_step_limits", True) and suite is not None:
         options["max_steps"] = suite.max_steps
     rule = options.get("proprio_success") or {}
-    if not (isinstance(rule, dict) and rule.get("tasks") and rule.get("grasp_box_m") is not None):
+    if not (isinstance(rule, dict) and rule.get("tasks")):
         return options
-    if not isinstance(suite, ObjectLocatingSuite):
-        raise ValueError(f"proprio_success.grasp_box_m needs a suite that says where each start's object is "
-                         f"(the ObjectLocatingSuite capability); {type(suite).__name__} does not: set "
-                         f"proprio_success.grasp_box_m=null")
-    return {**options, "start_objects": suite.object_position}
+    if rule.get("grasp_box_m") is not None:
+        if not isinstance(suite, ObjectLocatingSuite):
+            raise ValueError(f"proprio_success.grasp_box_m needs a suite that says where each start's object is "
+                             f"(the ObjectLocatingSuite capability); {type(suite).__name__} does not: set "
+                             f"proprio_success.grasp_box_m=null")
+        options["start_objects"] = suite.object_position
+    if rule.get("place_box_m") is not None:
+        if not isinstance(suite, GoalLocatingSuite):
+            raise ValueError(f"proprio_success.place_box_m needs a suite that says where each start's goal object is "
+                             f"(the GoalLocatingSuite capability); {type(suite).__name__} does not: set "
+                             f"proprio_success.place_box_m=null (and releases_need_critic=true)")
+        options["start_goals"] = suite.goal_position
+    return options
 
 
 @contextmanager

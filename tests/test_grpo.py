@@ -1,5 +1,6 @@
 """GRPO math, rollout collection and update on a fake ChunkEnv."""
 
+import copy
 import math
 
 import pytest
@@ -181,6 +182,11 @@ def test_grpo_improves_toy_task():
         assert math.isfinite(last[k]), k
     assert last["reward_mean"] > first["reward_mean"] + 0.3
     assert last["success_rate"] > first["success_rate"] + 0.2
+    # per task: the overall rate is the mean of the three tasks' (equal group counts), mixed groups counted
+    per = [last[f"success_rate/{t}"] for t in ("reach_a", "reach_b", "reach_c")]
+    assert last["success_rate"] == pytest.approx(sum(per) / 3)
+    mixed = sum(last[f"valid_groups/{t}"] for t in ("reach_a", "reach_b", "reach_c"))
+    assert mixed == pytest.approx(last["valid_group_frac"] * len(starts))
 
 
 def test_online_debiaser_estimates_and_subtracts_bias():
@@ -362,3 +368,43 @@ def test_each_hook_runs_on_its_own_every(tmp_path):
     assert [("denoise_var_mean" in h) for h in out["history"]] == [True, False, True, False, True]  # iterations 0, 2, 4
     assert refreshed == [2, 4] and "refresh/x" in out["history"][1]      # none after the last iteration
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last", "step_3"]
+
+
+def test_anchor_holds_the_policy_on_groups_without_signal():
+    """``anchor_coef``: the chunks of groups whose rollouts all got the same return carry no advantage;
+    with the anchor their KL to the reference enters every step. A policy pushed away from the
+    reference, updated on a batch of zero advantages (so only the anchor moves it), comes back
+    towards the reference; without the anchor it stays."""
+    from wmrl.rl.update import TransitionBatch
+
+    torch.manual_seed(0)
+    env = ToyReachEnv(num_envs=8)
+    pol = GaussianChunkPolicy()
+    ref = grpo.make_reference(pol)
+    with torch.no_grad():
+        for p in pol.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    ros = grpo.collect_groups(env, pol, toy_starts(1), group_size=4, max_chunks=3,
+                              generator=torch.Generator().manual_seed(1))
+    r, _, _ = grpo.rollout_returns(ros)
+    batch = grpo.build_transitions(ros, torch.zeros_like(r), torch.ones_like(r, dtype=torch.bool))
+    assert isinstance(batch, TransitionBatch) and len(batch) > 0
+
+    def kl(p):
+        with torch.no_grad():
+            return float(grpo.kl_to_reference(p.log_prob(batch.obs, batch.samples), ref.log_prob(batch.obs, batch.samples)))
+
+    out = {}
+    for coef in (0.0, 1.0):
+        p = copy.deepcopy(pol)
+        opt = torch.optim.Adam(p.parameters(), lr=0.02)
+        cfg = grpo.GRPOConfig(epochs=20, minibatch_size=16, anchor_coef=coef)
+        before = kl(p)
+        st = grpo.grpo_update(p, opt, batch, cfg, ref_policy=ref, generator=torch.Generator().manual_seed(0), anchor=batch)
+        out[coef] = (before, kl(p), st)
+    assert out[0.0][1] == pytest.approx(out[0.0][0], rel=1e-4)       # zero advantage, no anchor: nothing moves
+    assert out[1.0][1] < 0.5 * out[1.0][0] and "kl_anchor" in out[1.0][2]
+    with pytest.raises(ValueError, match="anchor_coef"):
+        grpo.GRPOConfig(anchor_coef=0.1, ratio="fpo")
+    with pytest.raises(ValueError, match="anchor_coef"):
+        grpo.GRPOConfig(anchor_coef=-1.0)

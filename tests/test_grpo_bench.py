@@ -53,7 +53,7 @@ def test_each_run_gets_the_common_settings_deep_merged_with_its_own_recipe():
     from wmrl.run.stages import compose_stage_config
     stage = OmegaConf.to_container(compose_stage_config("pipeline").stages.grpo, resolve=True)
     assert im["env"]["imagination"] == stage["env"]["imagination"] and im["grpo"] == stage["grpo"]
-    assert (im["iterations"], im["lr"], im["starts"]["keyframes_per_task"]) == (stage["iterations"], stage["lr"], 2)
+    assert (im["iterations"], im["lr"], im["starts"]["keyframes_per_task"]) == (stage["iterations"], stage["lr"], 3)
     assert im["checkpoint_every"] == 0   # the bench's own setting wins over the stage's
     assert "world_model" not in sim.get("env", {}) and sim["grpo"] == {"epochs": 0}
     assert sim["distill"]["balance_tasks"] is True

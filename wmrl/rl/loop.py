@@ -78,8 +78,9 @@ def grpo_iteration(env: ChunkEnv, policy: Policy, optimizer: torch.optim.Optimiz
     Raises:
         ValueError: ``cfg.advantage == "gae"`` without ``value``.
 
-    Returns diagnostics: ``reward_*``, ``success_rate`` (as the env reports it), ``adv_*``,
-    ``valid_group_frac``, ``n_transitions``, the mitigation statistics and the update statistics.
+    Returns diagnostics: ``reward_*``, ``success_rate`` (as the env reports it; ``success_rate/<task>``
+    per task), ``adv_*``, ``valid_group_frac`` (``valid_groups/<task>``: the groups with mixed returns
+    per task), ``n_transitions``, the mitigation statistics and the update statistics.
     """
     if isinstance(policy, torch.nn.Module):
         policy.eval()  # type: ignore[attr-defined]  # no dropout: ratio is exactly 1 at unchanged params
@@ -90,6 +91,8 @@ def grpo_iteration(env: ChunkEnv, policy: Policy, optimizer: torch.optim.Optimiz
     raw_rewards = rewards.clone()
     stats: dict[str, float] = {"success_rate": float(success.float().mean()), **describe(rewards, "reward")}
     tasks = [starts[int(g)].task_name for g in gids]
+    for t in sorted(set(tasks)):       # per task: which task's groups carry the signal
+        stats[f"success_rate/{t}"] = float(success[torch.tensor([x == t for x in tasks])].float().mean())
     weights = None
     if replay_envs:
         batches = batched_starts(expand_starts(starts, cfg.group_size)[0], env.num_envs)
@@ -123,10 +126,17 @@ def grpo_iteration(env: ChunkEnv, policy: Policy, optimizer: torch.optim.Optimiz
         adv, valid = group_advantages(rewards, gids, std_floor=cfg.std_floor, scale_by_std=cfg.scale_by_std)
         stats.update(describe(adv[valid], "adv"))
         stats["valid_group_frac"] = float(len(torch.unique(gids[valid]))) / max(n_groups, 1)
+        for t in sorted(set(tasks)):
+            stats[f"valid_groups/{t}"] = float(len(torch.unique(gids[valid & torch.tensor([x == t for x in tasks])])))
         batch = build_transitions(rollouts, adv, valid, weights)
+    anchor = None
+    if cfg.anchor_coef > 0 and ref_policy is not None:   # the groups without signal: kept near the reference
+        anchor = build_transitions(rollouts, torch.zeros(gids.shape[0]), ~valid)
+        stats["n_anchor"] = float(0 if anchor is None else len(anchor))
     stats["n_transitions"] = float(0 if batch is None else len(batch))
     if batch is not None:
-        stats.update(grpo_update(policy, optimizer, batch, cfg, ref_policy=ref_policy, generator=generator))
+        stats.update(grpo_update(policy, optimizer, batch, cfg, ref_policy=ref_policy, generator=generator,
+                                 anchor=anchor))
     return IterationResult(stats=stats, rollouts=rollouts)
 
 
@@ -157,7 +167,7 @@ class GRPOSetup:
     constructor config ``policy_config``) on ``env`` with ``optimizer``, from ``starts_fn(iteration)``
     (a start provider, :mod:`wmrl.rl.starts`), by the iteration hyper-parameters ``cfg``.
 
-    ``ref_policy``: the frozen KL reference (``cfg.kl_coef > 0``). ``rng_streams``: the generators
+    ``ref_policy``: the frozen KL reference (``cfg.kl_coef > 0`` or ``cfg.anchor_coef > 0``). ``rng_streams``: the generators
     the environments and rollout functions draw from between iterations
     (``wmrl.kernel.interfaces.RandomStreams``; e.g. the imagination env's sampling generator), saved
     with every checkpoint and restored with the loop's own and the process-wide ones

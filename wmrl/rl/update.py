@@ -106,6 +106,14 @@ class GRPOConfig:
         gamma, gae_lambda: GAE's discount per chunk and lambda (``advantage="gae"``).
         value_hidden, value_lr, value_epochs, value_minibatch_size, normalize_advantages: the
             value head and its fit (``wmrl.rl.value.ValueBaseline``).
+        anchor_coef: weight of the k3 KL to the reference on the chunks of the groups that carry no
+            signal (every rollout of the group with the same return: no advantage), a minibatch of
+            them beside each update minibatch (0 disables it). GRPO's loss sees only mixed groups, so
+            a task whose groups are all failures (or all successes) gets no gradient of its own and
+            is moved by the other tasks' updates through the shared weights; the anchor keeps the
+            policy near the reference where nothing says it should move (the trust region of PPO's
+            KL penalty, Schulman et al. 2017, applied to the states without an advantage).
+            ``advantage="group"`` only; not with ``ratio="fpo"``.
     """
 
     group_size: int = 8
@@ -129,10 +137,16 @@ class GRPOConfig:
     value_epochs: int = 20
     value_minibatch_size: int = 64
     normalize_advantages: bool = True
+    anchor_coef: float = 0.0
 
     def __post_init__(self):
         if self.advantage not in ("group", "gae"):
             raise ValueError(f"GRPOConfig.advantage must be 'group' or 'gae', got {self.advantage!r}")
+        if self.anchor_coef < 0:
+            raise ValueError(f"GRPOConfig.anchor_coef must be >= 0, got {self.anchor_coef}")
+        if self.anchor_coef > 0 and (self.ratio == "fpo" or self.advantage != "group"):
+            raise ValueError("GRPOConfig.anchor_coef > 0 needs ratio 'per_step' or 'chain' and advantage 'group' "
+                             f"(got ratio={self.ratio!r}, advantage={self.advantage!r})")
         if self.ratio not in ("per_step", "chain", "fpo"):
             raise ValueError(f"GRPOConfig.ratio must be 'per_step', 'chain' or 'fpo', got {self.ratio!r}")
         if self.ratio == "fpo" and self.kl_coef > 0:
@@ -184,10 +198,14 @@ def _fpo_log_likelihood(policy: Policy, obs: Obs, samples: PolicySample, t: torc
 
 
 def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: TransitionBatch, cfg: GRPOConfig,
-                ref_policy: Policy | None = None, generator: torch.Generator | None = None) -> dict[str, float]:
+                ref_policy: Policy | None = None, generator: torch.Generator | None = None,
+                anchor: TransitionBatch | None = None) -> dict[str, float]:
     """PPO-style epochs over ``batch``; returns mean diagnostics (loss, approx_kl, clip_frac, kl_ref,
-    grad_norm, ratio stats). ``policy`` must be a ``torch.nn.Module`` whose ``log_prob`` (or, for
-    ``cfg.ratio == "fpo"``, ``flow_matching_loss``) is differentiable."""
+    grad_norm, ratio stats; ``kl_anchor`` with an anchor). ``policy`` must be a ``torch.nn.Module``
+    whose ``log_prob`` (or, for ``cfg.ratio == "fpo"``, ``flow_matching_loss``) is differentiable.
+    ``anchor``: the chunks of the groups without signal; with ``cfg.anchor_coef > 0`` and a
+    ``ref_policy`` each gradient step adds ``anchor_coef`` times the KL to the reference on a random
+    minibatch of them (``GRPOConfig.anchor_coef``)."""
     check_policy(policy, cfg)
     params = [p for p in policy.parameters() if p.requires_grad]  # type: ignore[attr-defined]
     m = len(batch)
@@ -216,6 +234,15 @@ def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Transit
                 kl = kl_to_reference(new_lp, ref_lp)
                 loss = loss + cfg.kl_coef * kl
                 st["kl_ref"] = float(kl.detach())
+            if cfg.anchor_coef > 0 and ref_policy is not None and anchor is not None and len(anchor):
+                ai = torch.randint(len(anchor), (min(cfg.minibatch_size, len(anchor)),), generator=generator)
+                amb = anchor.index(ai)
+                a_lp = policy.log_prob(amb.obs, amb.samples, per_step=per_step)
+                with torch.no_grad():
+                    a_ref = ref_policy.log_prob(amb.obs, amb.samples, per_step=per_step)
+                kl_a = kl_to_reference(a_lp, a_ref)
+                loss = loss + cfg.anchor_coef * kl_a
+                st["kl_anchor"] = float(kl_a.detach())
             if not torch.isfinite(loss):
                 raise FloatingPointError("GRPO loss is NaN/inf: the policy's log_prob is not finite for a recorded chain")
             optimizer.zero_grad(set_to_none=True)

@@ -231,7 +231,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     policy, policy_cfg, eval_sampler = _policy(cfg, policy_path)
     gcfg = GRPOConfig(**OmegaConf.to_container(cfg.grpo, resolve=True))  # type: ignore[arg-type]
     check_policy(policy, gcfg)
-    ref_policy = make_reference(policy) if gcfg.kl_coef > 0 else None
+    ref_policy = make_reference(policy) if gcfg.kl_coef > 0 or gcfg.anchor_coef > 0 else None
     env = build_env(cfg.env, suite, seed=int(cfg.seed), device=str(cfg.device))
     n_init = train_n_init(cfg.starts, suite, tasks) if int(cfg.starts.per_task) > 0 else 0
     starts_fn = _starts(cfg, ctx, suite, tasks, n_init)

@@ -94,18 +94,16 @@ def with_suite(options: dict, suite) -> dict:
     rule = options.get("proprio_success") or {}
     if not (isinstance(rule, dict) and rule.get("tasks")):
         return options
-    if rule.get("grasp_box_m") is not None:
-        if not isinstance(suite, ObjectLocatingSuite):
-            raise ValueError(f"proprio_success.grasp_box_m needs a suite that says where each start's object is "
-                             f"(the ObjectLocatingSuite capability); {type(suite).__name__} does not: set "
-                             f"proprio_success.grasp_box_m=null")
-        options["start_objects"] = suite.object_position
-    if rule.get("place_box_m") is not None:
-        if not isinstance(suite, GoalLocatingSuite):
-            raise ValueError(f"proprio_success.place_box_m needs a suite that says where each start's goal object is "
-                             f"(the GoalLocatingSuite capability); {type(suite).__name__} does not: set "
-                             f"proprio_success.place_box_m=null (and releases_need_critic=true)")
-        options["start_goals"] = suite.goal_position
+    for key, capability, what, option, method in (
+            ("grasp_box_m", ObjectLocatingSuite, "object", "start_objects", "object_position"),
+            ("place_box_m", GoalLocatingSuite, "goal object", "start_goals", "goal_position")):
+        if rule.get(key) is None:
+            continue
+        if not isinstance(suite, capability):
+            raise ValueError(f"proprio_success.{key} needs a suite that says where each start's {what} is (the "
+                             f"{capability.__name__} capability); {type(suite).__name__} does not: set "
+                             f"proprio_success.{key}=null")
+        options[option] = getattr(suite, method)
     return options
 
 

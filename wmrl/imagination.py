@@ -48,6 +48,13 @@ def _trailing_steps(mask: np.ndarray) -> np.ndarray:
     return np.argmin(np.concatenate([mask[:, ::-1], np.zeros((len(mask), 1), bool)], 1), axis=1)
 
 
+def _offsets(ee: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``ee - ref`` (``(B, 3)`` each, m) as ``float64`` with NaN rows zeroed, and ``bool (B,)``: which
+    rows were known (no NaN)."""
+    off = np.asarray(ee, dtype=np.float64) - np.asarray(ref, dtype=np.float64)
+    return np.nan_to_num(off), np.isfinite(off).all(1)
+
+
 class ProprioLiftRule:
     """A lift's success read from the arm at chunk resolution, streaming per slot: the gripper has
     been commanded closed (action dim ``gripper_dim`` > 0) on the last ``closed_steps`` control steps
@@ -177,9 +184,7 @@ class ProprioLiftRule:
         ``(B, 3)`` (m, robot base frame; NaN: unknown, never a miss). All ``False`` without a place box."""
         if self.place_box_m is None:
             return np.zeros(len(ee), dtype=bool)
-        off = np.asarray(ee, np.float64) - np.asarray(goals, np.float64)
-        known = np.isfinite(off).all(1)
-        off = np.nan_to_num(off)
+        off, known = _offsets(ee, goals)
         r, z_min, z_max = self.place_box_m
         return known & ((np.hypot(off[:, 0], off[:, 1]) > r) | (off[:, 2] < z_min) | (off[:, 2] > z_max))
 
@@ -189,9 +194,7 @@ class ProprioLiftRule:
         without a grasp box."""
         if self.grasp_box_m is None:
             return np.zeros(len(ee), dtype=bool)
-        off = np.asarray(ee, dtype=np.float64) - np.asarray(objects, dtype=np.float64)
-        known = np.isfinite(off).all(1)
-        off = np.nan_to_num(off)
+        off, known = _offsets(ee, objects)
         bx, by, bz = self.grasp_box_m
         return known & ((np.abs(off[:, 0]) > bx) | (np.abs(off[:, 1]) > by) | (off[:, 2] > bz))
 
@@ -351,8 +354,9 @@ class ImaginationEnv:
     # ---------------------------------------------------------------- resets
     def _set_slots(self, slots: Sequence[int], starts: Sequence[Start], current: Obs | None) -> Obs:
         firsts = [start_obs(s) for s in starts]
+        first = Obs.cat(firsts)
         if current is None:
-            obs = Obs.cat(firsts)
+            obs = first
         else:
             parts = [current.index([b]) for b in range(self.num_envs)]
             for b, o in zip(slots, firsts):
@@ -360,7 +364,7 @@ class ImaginationEnv:
             obs = Obs.cat(parts)
         obs = Obs({k: v.cpu() for k, v in obs.images.items()}, obs.proprio.float().cpu(), obs.task)
         idx = torch.as_tensor(list(slots), dtype=torch.long)
-        p, _ = self._score(Obs.cat(firsts))
+        p, _ = self._score(first)
         self._progress[idx] = p
         for b, s in zip(slots, starts):
             self._starts[b] = s
@@ -378,12 +382,12 @@ class ImaginationEnv:
             self._goals[b] = np.nan if pos is None else np.asarray(pos, dtype=np.float64).reshape(3)
             self._finished[b] = False
         if self.proprio_success is not None:     # a start already holding an object (a keyframe in a carry)
-            first = Obs.cat(firsts).proprio.float().cpu()
-            holds = self.proprio_success.starts_holding(first)
+            proprio = first.proprio.float().cpu()
+            holds = self.proprio_success.starts_holding(proprio)
             for j, b in enumerate(slots):
                 if holds[j]:
                     self._closed[b] = self.proprio_success.closed_steps
-                    self._z_low[b] = float(first[j, 2])
+                    self._z_low[b] = float(proprio[j, 2])
         self._obs = obs
         fresh = self.world_model.init(obs)
         if current is not None and self._state is not None and self._merges:

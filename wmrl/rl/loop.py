@@ -91,8 +91,9 @@ def grpo_iteration(env: ChunkEnv, policy: Policy, optimizer: torch.optim.Optimiz
     raw_rewards = rewards.clone()
     stats: dict[str, float] = {"success_rate": float(success.float().mean()), **describe(rewards, "reward")}
     tasks = [starts[int(g)].task_name for g in gids]
-    for t in sorted(set(tasks)):       # per task: which task's groups carry the signal
-        stats[f"success_rate/{t}"] = float(success[torch.tensor([x == t for x in tasks])].float().mean())
+    of_task = {t: torch.tensor([x == t for x in tasks]) for t in sorted(set(tasks))}   # per task: whose groups carry signal
+    for t, m in of_task.items():
+        stats[f"success_rate/{t}"] = float(success[m].float().mean())
     weights = None
     if replay_envs:
         batches = batched_starts(expand_starts(starts, cfg.group_size)[0], env.num_envs)
@@ -126,8 +127,8 @@ def grpo_iteration(env: ChunkEnv, policy: Policy, optimizer: torch.optim.Optimiz
         adv, valid = group_advantages(rewards, gids, std_floor=cfg.std_floor, scale_by_std=cfg.scale_by_std)
         stats.update(describe(adv[valid], "adv"))
         stats["valid_group_frac"] = float(len(torch.unique(gids[valid]))) / max(n_groups, 1)
-        for t in sorted(set(tasks)):
-            stats[f"valid_groups/{t}"] = float(len(torch.unique(gids[valid & torch.tensor([x == t for x in tasks])])))
+        for t, m in of_task.items():
+            stats[f"valid_groups/{t}"] = float(len(torch.unique(gids[valid & m])))
         batch = build_transitions(rollouts, adv, valid, weights)
     anchor = None
     if cfg.anchor_coef > 0 and ref_policy is not None:   # the groups without signal: kept near the reference

@@ -197,6 +197,13 @@ def _fpo_log_likelihood(policy: Policy, obs: Obs, samples: PolicySample, t: torc
     return -policy.flow_matching_loss(obs, samples, t, eps)  # type: ignore[attr-defined]
 
 
+def _kl_to(ref_policy: Policy, mb: TransitionBatch, new_lp: torch.Tensor, per_step: bool) -> torch.Tensor:
+    """The k3 KL of the current policy (its log-probs ``new_lp`` of ``mb``'s chains) to ``ref_policy``."""
+    with torch.no_grad():
+        ref_lp = ref_policy.log_prob(mb.obs, mb.samples, per_step=per_step)
+    return kl_to_reference(new_lp, ref_lp)
+
+
 def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: TransitionBatch, cfg: GRPOConfig,
                 ref_policy: Policy | None = None, generator: torch.Generator | None = None,
                 anchor: TransitionBatch | None = None) -> dict[str, float]:
@@ -229,18 +236,13 @@ def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: Transit
             loss, st = clipped_surrogate_loss(new_lp, old_all[idx], mb.advantages, clip_eps=cfg.clip_eps,
                                               weights=mb.weights)
             if cfg.kl_coef > 0 and ref_policy is not None:
-                with torch.no_grad():
-                    ref_lp = ref_policy.log_prob(mb.obs, mb.samples, per_step=per_step)
-                kl = kl_to_reference(new_lp, ref_lp)
+                kl = _kl_to(ref_policy, mb, new_lp, per_step)
                 loss = loss + cfg.kl_coef * kl
                 st["kl_ref"] = float(kl.detach())
             if cfg.anchor_coef > 0 and ref_policy is not None and anchor is not None and len(anchor):
                 ai = torch.randint(len(anchor), (min(cfg.minibatch_size, len(anchor)),), generator=generator)
                 amb = anchor.index(ai)
-                a_lp = policy.log_prob(amb.obs, amb.samples, per_step=per_step)
-                with torch.no_grad():
-                    a_ref = ref_policy.log_prob(amb.obs, amb.samples, per_step=per_step)
-                kl_a = kl_to_reference(a_lp, a_ref)
+                kl_a = _kl_to(ref_policy, amb, policy.log_prob(amb.obs, amb.samples, per_step=per_step), per_step)
                 loss = loss + cfg.anchor_coef * kl_a
                 st["kl_anchor"] = float(kl_a.detach())
             if not torch.isfinite(loss):

@@ -262,3 +262,9 @@ def test_the_default_libero_grpo_settings_merge_over_the_stage_defaults():
     g = grpo_overrides(cfg.stages, cfg.libero)
     assert g["starts"]["first_steps"] == 1 and g["starts"]["per_task"] == 0
     assert g["grpo"]["max_chunks"] == 24 and "iterations" in g
+    # the arm rule (grasp and place boxes of the sim suite's lifts and stack) is off: the LIBERO imagination
+    # env has no suite to locate objects with, and builders.with_suite refuses a box without one
+    assert g["env"]["imagination"]["proprio_success"] is None
+    from wmrl.run.builders import with_suite
+
+    assert "start_objects" not in with_suite(g["env"]["imagination"], None)

@@ -75,10 +75,14 @@ def test_post_train_with_a_chunk_value_runs_and_resumes(tmp_path):
         post_train.run(cfg3, RunContext(cfg3, out_dir=tmp_path / "plain"))
 
 
-def test_distillation_in_imagination_is_refused(tmp_path):
+def test_distillation_in_imagination_is_refused_unless_asked_for(tmp_path):
     cfg = OmegaConf.merge(_cfg(tmp_path), {"distill": {"every": 1, "steps": 1, "batch_size": 2, "lr": 1e-4}})
-    with pytest.raises(ValueError, match="env=sim only"):
+    with pytest.raises(ValueError, match="distill.in_imagination=true"):
         post_train.run(cfg, RunContext(cfg, out_dir=tmp_path / "run"))
+    # asked for: the hook runs (the toy's first iteration has no success to distil, so no BC loss is needed)
+    cfg = OmegaConf.merge(cfg, {"distill": {"in_imagination": True}, "iterations": 1})
+    rep = post_train.run(cfg, RunContext(cfg, out_dir=tmp_path / "run2"))
+    assert rep["history"][0]["distill_chunks"] == 0.0
 
 
 def test_post_train_clear_error_without_policy(tmp_path):

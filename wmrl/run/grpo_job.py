@@ -247,11 +247,12 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     if int(dcfg.get("every", 0)) > 0:
         from wmrl.rl.distill import Distiller, SuccessBuffer
 
-        if str(cfg.env.get("name", "")) == "imagination":
-            raise ValueError("distill.every > 0 in imagination would teach the flow world-model frames and imagined "
-                             "successes, 3 to 5 in 10 of which do not replay in the sim (the imagination check's "
-                             "precision, docs/measurements.md); distillation runs with env=sim only: distill with "
-                             "env=sim, or set distill.every=0")
+        if str(cfg.env.get("name", "")) == "imagination" and not bool(dcfg.get("in_imagination", False)):
+            raise ValueError("distill.every > 0 in imagination teaches the flow world-model frames and imagined "
+                             "successes, 2 to 4 in 10 of which do not replay in the sim (the imagination check's "
+                             "precision, docs/measurements.md): set distill.in_imagination=true to accept that "
+                             "(with env.imagination.halt_uncertainty only successes the uncertainty gate passed "
+                             "count), distill with env=sim, or set distill.every=0")
         buffer = SuccessBuffer(int(dcfg.buffer)) if int(dcfg.get("buffer", 0) or 0) > 0 else None
         hooks.distill = loop.DistillHook(Distiller(steps=int(dcfg.steps), batch_size=int(dcfg.batch_size),
                                                    lr=float(dcfg.lr), buffer=buffer,

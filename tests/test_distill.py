@@ -31,6 +31,10 @@ def test_only_alive_chunks_of_gated_successes_of_real_slots_are_used():
     _, a = gated_success_chunks([ro], gate)
     assert a[:, 0, 0].tolist() == [200.0]
     assert gated_success_chunks([ro], lambda r: torch.zeros(4, dtype=torch.bool)) is None
+    _, a = gated_success_chunks([ro], first_chunks=1)          # the chunk taken on each start's own frame
+    assert sorted(a[:, 0, 0].tolist()) == [0.0, 200.0]
+    with pytest.raises(ValueError, match="first_chunks"):
+        gated_success_chunks([ro], first_chunks=0)
     with pytest.raises(ValueError, match="flags"):
         gated_success_chunks([ro], lambda r: torch.ones(2, dtype=torch.bool))
 
@@ -97,6 +101,9 @@ def test_the_success_buffer_keeps_the_newest_chunks_of_every_add_and_round_trips
     assert all(torch.equal(o2.images[k], o1.images[k]) for k in o1.images) and back.added == 6
     gated = SuccessBuffer(capacity=10, gate=lambda r: torch.tensor([False, True]))
     assert gated.add([_rollout([True, True], alive, [0, 0])]) == 3
+    first = SuccessBuffer(capacity=10, first_chunks=2)
+    assert first.add([_rollout([True, True], alive, [0, 0])]) == 4       # chunks 0 and 1 of both slots
+    assert sorted(first.data()[1][:, 0, 0].tolist()) == [0.0, 1.0, 100.0, 101.0]
     with pytest.raises(ValueError, match="capacity"):
         SuccessBuffer(capacity=0)
     wrong = Rollout([obs(b=2)] * 3, [PolicySample(torch.zeros(2, 4, 5), torch.zeros(2))] * 3, torch.zeros(2, 3),

@@ -63,6 +63,31 @@ def test_replay_reproduces_the_expert_and_a_broken_copy_fails(expert_episode):
         replay_actions(env, [start], [good, good])
 
 
+def test_replay_in_two_workers_without_cameras_equals_one_process(expert_episode):
+    """The imagination check's replay (wmrl.run.imagination_check.replay_env: the suite's env without
+    cameras, shared by worker processes) gives what one process with the rendering env gives."""
+    from functools import partial
+
+    from wmrl.run.imagination_check import replay_env
+
+    suite, ep = expert_episode
+    start = Start(task_name="lift_red", instruction=ep.instruction, sim_state=ep.sim_states[0], split="train")
+    good = _chunks(ep.actions)
+    starts, chunks = [start] * 3, [good, _never_grasp(good), good[:2]]
+    one = replay_actions(suite.make_env(2), starts, chunks, with_proprio=True)
+    make = partial(replay_env, {"_target_": "sim.suite.Suite", "tasks": ["lift_red"], "image_size": [32, 32]}, 2)
+    assert make().cameras == ()
+    two = replay_actions(None, starts, chunks, with_proprio=True, workers=2, make_env=make)
+    assert one[0].tolist() == two[0].tolist() == [True, False, False]
+    for a, b in zip(one[1] + one[2], two[1] + two[2]):
+        assert torch.equal(a, b)
+    assert [s is None for s in one[3]] == [s is None for s in two[3]] == [True, False, False]
+    for a, b in zip(one[3][1:], two[3][1:]):
+        assert np.array_equal(a, b)
+    with pytest.raises(ValueError, match="make_env"):
+        replay_actions(None, starts, chunks, workers=2)
+
+
 class _ScriptedPolicy:
     """Slot 0 of every batch plays the expert's chunks, slot 1 the same chunks with the gripper open."""
 

@@ -14,7 +14,8 @@ the sim reproduces its outcome exactly (checked in ``tests/test_fidelity.py``).
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -75,15 +76,28 @@ def start_kind(start: Start) -> str:
 
 
 @torch.no_grad()
-def replay_actions(sim_env: ChunkEnv, starts: Sequence[Start], chunks: Sequence[torch.Tensor],
-                   with_proprio: bool = False) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list]:
+def _replay_part(make_env: Callable[[], ChunkEnv], starts: Sequence[Start], chunks: Sequence[torch.Tensor],
+                 with_proprio: bool):
+    """One worker's share of :func:`replay_actions` (one torch thread, its own env)."""
+    torch.set_num_threads(1)
+    return replay_actions(make_env(), starts, chunks, with_proprio=with_proprio)
+
+
+def replay_actions(sim_env: ChunkEnv | None, starts: Sequence[Start], chunks: Sequence[torch.Tensor],
+                   with_proprio: bool = False, workers: int = 1, make_env: Callable[[], ChunkEnv] | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list]:
     """Execute fixed action chunks open loop from ``starts`` (each needs ``sim_state`` or ``init_index``).
 
     Args:
-        sim_env: a ``ChunkEnv`` that resets to a ``Start``'s MuJoCo state (``sim.env.SimEnv``).
+        sim_env: a ``ChunkEnv`` that resets to a ``Start``'s MuJoCo state (``sim.env.SimEnv``);
+            unused (may be ``None``) when ``workers > 1``.
         starts: ``M`` starts. chunks: ``M`` tensors ``float32 (N_i, H, D_a)``, ``N_i >= 1``: the
             chunks of rollout ``i``, executed in order; the replay of ``i`` stops after ``N_i``
             chunks or when the env ends its episode.
+        workers: processes (``wmrl.kernel.workers.worker_pool``, one torch thread each) that replay
+            contiguous shares of the rollouts, each in its own ``make_env()`` (a picklable
+            ``() -> ChunkEnv``); the starts travel without their ``context`` frames. Every replay
+            resets its slot's MuJoCo state and warm starts, so the results equal one process's.
 
     Returns:
         ``bool (M,)``: whether each replay succeeded within its ``N_i`` chunks; with ``with_proprio``
@@ -93,12 +107,32 @@ def replay_actions(sim_env: ChunkEnv, starts: Sequence[Start], chunks: Sequence[
         ended within it, or the env is not a ``SimStateEnv``).
 
     Raises:
-        ValueError: ``len(starts) != len(chunks)`` or a rollout without chunks.
+        ValueError: ``len(starts) != len(chunks)``, a rollout without chunks, or ``workers > 1``
+            without ``make_env`` (``workers = 1`` without ``sim_env``).
     """
     if len(starts) != len(chunks):
         raise ValueError(f"replay_actions got {len(starts)} starts and {len(chunks)} action sequences")
     if any(c.ndim != 3 or c.shape[0] < 1 for c in chunks):
         raise ValueError("every action sequence must be float32 (N_i >= 1, H, D_a)")
+    workers = max(1, min(int(workers), len(starts)))
+    if workers > 1:
+        if make_env is None:
+            raise ValueError("replay_actions(workers > 1) needs make_env: a picklable () -> ChunkEnv each worker "
+                             "replays in")
+        from wmrl.kernel.workers import worker_pool
+
+        bounds = np.linspace(0, len(starts), workers + 1).round().astype(int)
+        light = [dataclasses.replace(s, context=None) for s in starts]
+        with worker_pool(workers) as pool:
+            futs = [pool.submit(_replay_part, make_env, light[a:b], [c.detach().cpu() for c in chunks[a:b]],
+                                with_proprio) for a, b in zip(bounds[:-1], bounds[1:])]
+            parts = [f.result() for f in futs]
+        if not with_proprio:
+            return torch.cat(parts)
+        return (torch.cat([p[0] for p in parts]), [x for p in parts for x in p[1]], [x for p in parts for x in p[2]],
+                [x for p in parts for x in p[3]])
+    if sim_env is None:
+        raise ValueError("replay_actions needs sim_env (or workers > 1 with make_env)")
     b = sim_env.num_envs
     out = torch.zeros(len(starts), dtype=torch.bool)
     paths: list[torch.Tensor] = [torch.zeros(0)] * len(starts)
@@ -217,7 +251,8 @@ def ranking_stats(imagined: np.ndarray, real: np.ndarray, group_ids: np.ndarray)
 
 def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, starts: Sequence[Start],
                  group_size: int, max_chunks: int, generator: torch.Generator | None = None,
-                 progress: bool = False, keep_rollouts: bool = False) -> dict:
+                 progress: bool = False, keep_rollouts: bool = False, workers: int = 1,
+                 make_env: Callable[[], ChunkEnv] | None = None) -> dict:
     """Imagined rollouts of ``policy`` (``group_size`` per start, as GRPO collects them) and their
     open-loop replay in the sim.
 
@@ -227,6 +262,8 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
             frames were rendered from).
         policy: the policy as GRPO samples it (its RL sampler).
         max_chunks: imagined horizon in chunks (GRPO's ``max_chunks``).
+        workers, make_env: the replay in ``workers`` processes (see :func:`replay_actions`; ``sim_env``
+            then only serves the caller, e.g. for context frames).
 
     Returns:
         ``{"imagined_success", "replayed_success", "n", "per_task": {task: {"imagined", "replayed",
@@ -260,7 +297,8 @@ def replay_check(imagination_env: ChunkEnv, sim_env: ChunkEnv, policy: Policy, s
             im_paths.append(chunk_start_proprio(ro, j))
             im_ends.append(e[:n, j])
             im_unc.append(None if u is None else u[:n, j])
-    replayed_t, re_paths, re_ends, re_states = replay_actions(sim_env, seq_starts, seqs, with_proprio=True)
+    replayed_t, re_paths, re_ends, re_states = replay_actions(sim_env, seq_starts, seqs, with_proprio=True,
+                                                           workers=workers, make_env=make_env)
     replayed = replayed_t.numpy()
     imagined_a = np.asarray(imagined)
     gids_a = np.asarray(gids)

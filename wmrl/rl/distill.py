@@ -29,11 +29,19 @@ from wmrl.kernel.types import Obs, Rollout
 __all__ = ["Distiller", "SuccessBuffer", "gated_success_chunks"]
 
 
-def gated_success_chunks(rollouts: Sequence[Rollout], gate: Callable[[Rollout], torch.Tensor] | None = None
-                         ) -> tuple[Obs, torch.Tensor] | None:
+def gated_success_chunks(rollouts: Sequence[Rollout], gate: Callable[[Rollout], torch.Tensor] | None = None,
+                         first_chunks: int | None = None) -> tuple[Obs, torch.Tensor] | None:
     """The ``(observations, executed chunks float32 (M, H, D_a))`` of every alive chunk of every
     real slot that succeeded and that ``gate(rollout) -> bool (B,)`` passes (``None``: every
-    success); ``None`` when there is none."""
+    success); ``None`` when there is none. ``first_chunks = m``: only each rollout's first ``m``
+    chunks (in imagination the first is the one taken on the start's real frame; later ones see
+    world-model frames).
+
+    Raises:
+        ValueError: a gate with the wrong number of flags; ``first_chunks < 1``.
+    """
+    if first_chunks is not None and int(first_chunks) < 1:
+        raise ValueError(f"first_chunks must be >= 1 (or None: every chunk), got {first_chunks}")
     obs_parts, act_parts = [], []
     for ro in rollouts:
         keep = (ro.group_ids >= 0) & ro.success.bool()
@@ -43,6 +51,8 @@ def gated_success_chunks(rollouts: Sequence[Rollout], gate: Callable[[Rollout], 
                 raise ValueError(f"the gate gave {tuple(g.shape)} flags for {keep.shape[0]} slots")
             keep = keep & g
         for n, (o, s) in enumerate(zip(ro.obs, ro.samples)):
+            if first_chunks is not None and n >= int(first_chunks):
+                break
             sel = (ro.alive[:, n].bool() & keep).nonzero().flatten()
             if sel.numel():
                 obs_parts.append(o.index(sel))
@@ -60,7 +70,8 @@ class SuccessBuffer:
     (:meth:`state_tensors` / :meth:`load_state_tensors`), so a resumed run distils the same data.
 
     Args:
-        capacity: chunks kept (>= 1); gate: ``rollout -> bool (B,)``, applied when adding.
+        capacity: chunks kept (>= 1); gate: ``rollout -> bool (B,)``, applied when adding;
+        first_chunks: only each success's first ``m`` chunks (see :func:`gated_success_chunks`).
 
     Raises:
         ValueError: ``capacity < 1``; chunks whose cameras, proprio or action shape differ from those
@@ -69,10 +80,11 @@ class SuccessBuffer:
 
     PREFIX = "distill_buffer/"
 
-    def __init__(self, capacity: int = 5000, gate: Callable[[Rollout], torch.Tensor] | None = None):
+    def __init__(self, capacity: int = 5000, gate: Callable[[Rollout], torch.Tensor] | None = None,
+                 first_chunks: int | None = None):
         if int(capacity) < 1:
             raise ValueError(f"SuccessBuffer capacity must be >= 1 chunk, got {capacity}")
-        self.capacity, self.gate = int(capacity), gate
+        self.capacity, self.gate, self.first_chunks = int(capacity), gate, first_chunks
         self.obs: Obs | None = None
         self.actions: torch.Tensor | None = None
         self.added = 0
@@ -82,7 +94,7 @@ class SuccessBuffer:
 
     def add(self, rollouts: Sequence[Rollout]) -> int:
         """Append the gated successes of ``rollouts``; returns how many chunks were added."""
-        data = gated_success_chunks(rollouts, self.gate)
+        data = gated_success_chunks(rollouts, self.gate, self.first_chunks)
         if data is None:
             return 0
         obs, actions = data
@@ -149,6 +161,8 @@ class Distiller:
         balance_tasks: draw every task present with equal probability (then a chunk uniformly within
             it) instead of every chunk alike, so a task whose successes are rare (stacking beside two
             lifts) is not forgotten; ``False``: uniform over chunks.
+        first_chunks: without a buffer, only each success's first ``m`` chunks (see
+            :func:`gated_success_chunks`; a buffer has its own).
 
     Calling it returns ``distill_chunks`` (how many chunks it trained on), ``distill_loss_first`` /
     ``distill_loss_last`` (``0`` chunks: only ``distill_chunks``).
@@ -159,9 +173,9 @@ class Distiller:
 
     def __init__(self, steps: int = 50, batch_size: int = 64, lr: float = 1e-4, max_grad_norm: float = 1.0,
                  gate: Callable[[Rollout], torch.Tensor] | None = None, buffer: SuccessBuffer | None = None,
-                 balance_tasks: bool = False):
+                 balance_tasks: bool = False, first_chunks: int | None = None):
         self.steps, self.batch_size, self.lr, self.max_grad_norm = int(steps), int(batch_size), float(lr), float(max_grad_norm)
-        self.gate, self.buffer, self.balance_tasks = gate, buffer, bool(balance_tasks)
+        self.gate, self.buffer, self.balance_tasks, self.first_chunks = gate, buffer, bool(balance_tasks), first_chunks
 
     def task_weights(self, tasks: Sequence[str]) -> torch.Tensor | None:
         """``float64 (M,)`` draw weights of the ``M = len(tasks)`` chunks, ``1 / (chunks of its
@@ -179,7 +193,8 @@ class Distiller:
         return torch.multinomial(weights, self.batch_size, replacement=True, generator=generator)
 
     def __call__(self, policy, rollouts: Sequence[Rollout], generator: torch.Generator | None = None) -> dict:
-        data = self.buffer.data() if self.buffer is not None else gated_success_chunks(rollouts, self.gate)
+        data = self.buffer.data() if self.buffer is not None else gated_success_chunks(rollouts, self.gate,
+                                                                                         self.first_chunks)
         if data is None:
             return {"distill_chunks": 0.0}
         obs, actions = data

@@ -253,10 +253,13 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
                              "precision, docs/measurements.md): set distill.in_imagination=true to accept that "
                              "(with env.imagination.halt_uncertainty only successes the uncertainty gate passed "
                              "count), distill with env=sim, or set distill.every=0")
-        buffer = SuccessBuffer(int(dcfg.buffer)) if int(dcfg.get("buffer", 0) or 0) > 0 else None
+        first = dcfg.get("first_chunks")
+        first = None if first is None else int(first)
+        buffer = SuccessBuffer(int(dcfg.buffer), first_chunks=first) if int(dcfg.get("buffer", 0) or 0) > 0 else None
         hooks.distill = loop.DistillHook(Distiller(steps=int(dcfg.steps), batch_size=int(dcfg.batch_size),
                                                    lr=float(dcfg.lr), buffer=buffer,
-                                                   balance_tasks=bool(dcfg.get("balance_tasks", False))),
+                                                   balance_tasks=bool(dcfg.get("balance_tasks", False)),
+                                                   first_chunks=first),
                                          int(dcfg.every), buffer=buffer)
     for name, e in [("env", env)] + [(f"replay{i}", e) for i, e in enumerate(replay_envs)]:
         if isinstance(e, RandomStreams):

@@ -11,6 +11,7 @@ mixed groups, per task (``wmrl.fidelity.replay_check``), and the sampler used.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import hydra
 import torch
@@ -67,14 +68,24 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
     kw = with_suite(OmegaConf.to_container(g.env.get("imagination"), resolve=True) or {}, suite)
     imag = make_imagination_env(str(ctx.path(g.env.world_model)), str(ctx.path(g.env.critic)), len(starts) * group,
                                 seed=int(cfg.seed), device=str(cfg.device), **kw)
-    r = replay_check(imag, sim_env, policy, starts, group, int(g.max_chunks),
+    workers = max(1, int(cfg.get("workers") or 1))
+    make_replay_env = partial(replay_env, suite_cfg, int(cfg.num_envs))
+    r = replay_check(imag, make_replay_env() if workers == 1 else None, policy, starts, group, int(g.max_chunks),
                      generator=torch.Generator().manual_seed(int(cfg.seed)), progress=True,
-                     keep_rollouts=True)
+                     keep_rollouts=True, workers=workers, make_env=make_replay_env)
     r["object_moves"] = save_rollouts(ctx.out_dir / "rollouts.npz", r.pop("rollouts"), suite)
     r["sampler"] = repr(policy.sampler)  # the RL sampler, or the latent-noise steering's
     r.update(imag.counters())   # grasp_misses: closes the grasp box judged misses; halted: slots the uncertainty gate halted
     _log_verdict(r)
     return r
+
+
+def replay_env(suite_cfg: dict, num_envs: int):
+    """The sim env the check replays in: the suite's, without cameras (an open-loop replay needs
+    no frames; rendering them was about a quarter of its time)."""
+    from wmrl.run.builders import build_suite
+
+    return build_suite(suite_cfg).make_env(int(num_envs), cameras=())
 
 
 def save_rollouts(path, ro: dict, suite) -> dict:

@@ -75,7 +75,6 @@ def start_kind(start: Start) -> str:
     return "keyframe" if start.episode is not None else "init"
 
 
-@torch.no_grad()
 def _replay_part(make_env: Callable[[], ChunkEnv], starts: Sequence[Start], chunks: Sequence[torch.Tensor],
                  with_proprio: bool):
     """One worker's share of :func:`replay_actions` (one torch thread, its own env)."""
@@ -83,6 +82,7 @@ def _replay_part(make_env: Callable[[], ChunkEnv], starts: Sequence[Start], chun
     return replay_actions(make_env(), starts, chunks, with_proprio=with_proprio)
 
 
+@torch.no_grad()
 def replay_actions(sim_env: ChunkEnv | None, starts: Sequence[Start], chunks: Sequence[torch.Tensor],
                    with_proprio: bool = False, workers: int = 1, make_env: Callable[[], ChunkEnv] | None = None
                    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list]:

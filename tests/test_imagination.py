@@ -641,3 +641,36 @@ def test_place_box_options_are_checked():
         ProprioLiftRule(["lift"], releases_need_critic=False)
     with pytest.raises(ValueError, match="start_holding_max_gap_m"):
         ProprioLiftRule(["lift"], gap_min_m=0.02, start_holding_max_gap_m=0.02)
+
+
+def test_keyframe_success_fraction_balances_successful_and_failed_episodes(tmp_path):
+    """success_fraction=0.5: about half the keyframes come from successful episodes although the failed
+    one holds most of the steps; None keeps the draw uniform over steps (the same stream as before)."""
+    import dataclasses
+
+    from wmrl.kernel.storage import EpisodeStore
+    from wmrl.rl.starts import KeyframeStarts
+    from worldmodels.synthetic import make_episode
+
+    store = EpisodeStore.create(tmp_path / "s", cameras={"agentview": (32, 32), "robot0_eye_in_hand": (32, 32)},
+                                state_dim=9, action_dim=7, fps=20, action_space=PANDA_OSC_POSE, embodiment="toy",
+                                source="synthetic")
+    won = dataclasses.replace(make_episode(1, 16, 32, expert=True), success=True)    # 8 drawable steps
+    lost = dataclasses.replace(make_episode(2, 88, 32, expert=False), success=False)  # 80 drawable steps
+    for e in (won, lost):
+        store.append(e)
+    assert store.successes.tolist() == [True, False]
+    uniform = starts_from_store(store, 400, np.random.default_rng(0))
+    balanced = starts_from_store(store, 400, np.random.default_rng(0), success_fraction=0.5)
+    share = lambda starts: np.mean([s.episode == 0 for s in starts])   # noqa: E731
+    assert share(uniform) < 0.2                 # 8 of 88 steps: ~0.09
+    assert 0.4 < share(balanced) < 0.6
+    assert all(s.step < 8 for s in balanced if s.episode == 0) and all(s.step < 80 for s in balanced)
+    assert share(starts_from_store(store, 50, np.random.default_rng(0), success_fraction=1.0)) == 1.0
+    assert share(starts_from_store(store, 50, np.random.default_rng(0), success_fraction=0.0)) == 0.0
+    only_lost = starts_from_store(store, 20, np.random.default_rng(0), episodes=[1], success_fraction=0.9)
+    assert {s.episode for s in only_lost} == {1}   # no successful episode: the failed ones
+    ks = KeyframeStarts(tmp_path / "s", {won.task_name: won.instruction}, per_task=40, seed=3, success_fraction=0.5)
+    assert [(s.episode, s.step) for s in ks(2)] == [(s.episode, s.step) for s in ks(2)]
+    with pytest.raises(ValueError, match="success_fraction"):
+        starts_from_store(store, 1, np.random.default_rng(0), success_fraction=1.5)

@@ -59,10 +59,17 @@ def all_starts(tasks: dict, n: int, split: str = "eval") -> list[Start]:
 
 
 def starts_from_store(store, n: int, rng: np.random.Generator, episodes: Sequence[int] | None = None,
-                      min_steps_left: int = 8, context: int = 1, first_steps: int | None = None) -> list[Start]:
+                      min_steps_left: int = 8, context: int = 1, first_steps: int | None = None,
+                      success_fraction: float | None = None) -> list[Start]:
     """Keyframe starts: ``n`` (episode, step) pairs drawn uniformly over the steps of ``episodes``
     (default all) of an ``EpisodeStore`` with at least ``min_steps_left`` steps after them
     (``first_steps``: only among each episode's first ``first_steps`` steps; 1 = its first frame).
+
+    ``success_fraction`` (``[0, 1]`` or ``None``): each draw first picks the successful episodes with
+    this probability and the failed ones otherwise (then uniform over that class's steps), so the
+    starts are not dominated by failed episodes, which run to the step limit and hold more steps;
+    when one class has no steps the other is used. ``None``: uniform over all steps (one stream of
+    draws, as before the option existed).
 
     Returns ``Start`` objects with ``context`` (the last ``context`` frames up to that step, padded
     by repeating step 0), ``episode``, ``step``, ``task_name``, ``instruction`` and, when stored,
@@ -80,10 +87,21 @@ def starts_from_store(store, n: int, rng: np.random.Generator, episodes: Sequenc
     if counts.sum() == 0:
         raise ValueError(f"no episode has more than min_steps_left={min_steps_left} steps")
     probs = counts / counts.sum()
+    if success_fraction is not None:
+        if not 0.0 <= float(success_fraction) <= 1.0:
+            raise ValueError(f"success_fraction must be in [0, 1] (or None), got {success_fraction}")
+        won = np.asarray(store.successes)[eps]
+        by_class = []
+        for mask in (won, ~won):
+            c = np.where(mask, counts, 0)
+            by_class.append(c / c.sum() if c.sum() > 0 else probs)
     cache: dict[int, object] = {}
     out = []
     for _ in range(n):
-        k = int(rng.choice(len(eps), p=probs))
+        if success_fraction is None:
+            k = int(rng.choice(len(eps), p=probs))
+        else:
+            k = int(rng.choice(len(eps), p=by_class[0 if rng.random() < float(success_fraction) else 1]))
         t = int(rng.integers(0, counts[k]))
         i = eps[k]
         if i not in cache:
@@ -133,10 +151,12 @@ class KeyframeStarts:
     with the real frame of that step as context. Imagined rollouts then begin mid-task and stay
     short (WoVR / World-Gymnast keyframe-initialised rollouts). ``branch_chunks``: each start is a
     branch of that many chunks (``Start.max_chunks``; the chunk value bootstraps the rest,
-    ``GRPOConfig.advantage="gae"``); ``None``: rollouts of GRPO's own length."""
+    ``GRPOConfig.advantage="gae"``); ``None``: rollouts of GRPO's own length. ``success_fraction``:
+    the share of keyframes drawn from successful episodes (:func:`starts_from_store`)."""
 
     def __init__(self, store_path, tasks: dict, per_task: int, seed: int = 0, min_steps_left: int = 8,
-                 first_steps: int | None = None, branch_chunks: int | None = None):
+                 first_steps: int | None = None, branch_chunks: int | None = None,
+                 success_fraction: float | None = None):
         from wmrl.kernel.storage import EpisodeStore
 
         self.store = EpisodeStore.open(store_path, mode="r")
@@ -150,12 +170,14 @@ class KeyframeStarts:
         if branch_chunks is not None and int(branch_chunks) < 1:
             raise ValueError(f"branch_chunks must be >= 1 (or null), got {branch_chunks}")
         self.branch_chunks = None if branch_chunks is None else int(branch_chunks)
+        self.success_fraction = None if success_fraction is None else float(success_fraction)
 
     def __call__(self, iteration: int) -> list[Start]:
         rng = np.random.default_rng([self.seed, 11, int(iteration)])
         out = [s for t, eps in self.by_task.items()
                for s in starts_from_store(self.store, self.per_task, rng, episodes=eps,
-                                          min_steps_left=self.min_steps_left, first_steps=self.first_steps)]
+                                          min_steps_left=self.min_steps_left, first_steps=self.first_steps,
+                                          success_fraction=self.success_fraction)]
         if self.branch_chunks is not None:
             out = [dataclasses.replace(s, max_chunks=self.branch_chunks) for s in out]
         return out

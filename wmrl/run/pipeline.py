@@ -250,6 +250,8 @@ def _imagination_check(job: _Job, gcfg: DictConfig, bc_ckpt: Path) -> dict | Non
     check = to_container(job.cfg.imagination_check)
     if int(check.get("keyframes_per_task") or 0) > 0:   # keyframes of the store GRPO draws its own from
         check["store"] = gcfg.starts.get("store")
+        if gcfg.starts.get("success_fraction") is not None:   # drawn as GRPO draws them
+            check["success_fraction"] = gcfg.starts.success_fraction
     c = OmegaConf.create({**job.common, **check, "grpo": to_container(used),
                           "checkpoint": str(bc_ckpt), "suite": job.suite_cfg, "tasks": list(job.tasks)})
     return job.run_entry("imagination_check", c, module="imagination_check")

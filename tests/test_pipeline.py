@@ -268,3 +268,15 @@ def test_the_default_libero_grpo_settings_merge_over_the_stage_defaults():
     from wmrl.run.builders import with_suite
 
     assert "start_objects" not in with_suite(g["env"]["imagination"], None)
+
+
+def test_the_check_draws_its_keyframes_as_grpo_does():
+    from wmrl.run.pipeline import check_keyframes
+
+    starts = OmegaConf.create({"store": "bc_rollouts/s.zarr", "first_steps": 64, "success_fraction": None})
+    c = check_keyframes({"starts_per_task": 4, "keyframes_per_task": 8}, starts)
+    assert c == {"starts_per_task": 4, "keyframes_per_task": 8, "store": "bc_rollouts/s.zarr", "first_steps": 64}
+    starts.success_fraction = 0.5
+    assert check_keyframes({"keyframes_per_task": 8}, starts)["success_fraction"] == 0.5
+    assert check_keyframes({"starts_per_task": 4, "keyframes_per_task": 0}, starts) == {"starts_per_task": 4,
+                                                                                         "keyframes_per_task": 0}

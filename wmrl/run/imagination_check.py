@@ -62,7 +62,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict:
         starts = ContextStarts(None, sim_env).contextualize(starts)
     if keyframes:   # mid-episode real frames with their MuJoCo states, drawn as GRPO draws its keyframe starts
         kf = KeyframeStarts(ctx.path(cfg.store), tasks, keyframes, seed=int(cfg.seed),
-                            success_fraction=cfg.get("success_fraction"))(0)
+                            first_steps=cfg.get("first_steps"), success_fraction=cfg.get("success_fraction"))(0)
         if any(s.sim_state is None for s in kf):
             raise ValueError(f"store {cfg.store} holds no sim states: its keyframes cannot be replayed in the sim")
         starts = starts + kf

@@ -240,6 +240,20 @@ def _calibrated_env(env: dict, wm_report: dict) -> dict:
     return {**env, "imagination": {**imag, "halt_uncertainty": float(tau)}}
 
 
+def check_keyframes(check: dict, starts) -> dict:
+    """The imagination check's settings (``check``, the pipeline's ``imagination_check``) with its
+    keyframes drawn as GRPO draws its own: GRPO's ``starts.store`` and, when set, its
+    ``first_steps`` and ``success_fraction`` (unset keys stay out, so earlier runs' check settings
+    are unchanged). Without keyframes ``check`` is returned as it is."""
+    check = dict(check)
+    if int(check.get("keyframes_per_task") or 0) > 0:
+        check["store"] = starts.get("store")
+        for key in ("first_steps", "success_fraction"):
+            if starts.get(key) is not None:
+                check[key] = starts[key]
+    return check
+
+
 def _imagination_check(job: _Job, gcfg: DictConfig, bc_ckpt: Path) -> dict | None:
     """Stage 5 (``wmrl imagination-check``), with what it takes from GRPO's config."""
     if not _checks_fidelity(job.cfg):
@@ -247,11 +261,7 @@ def _imagination_check(job: _Job, gcfg: DictConfig, bc_ckpt: Path) -> dict | Non
     used = {"rl_sampler": gcfg.get("rl_sampler"), "steer": gcfg.get("steer"), "group_size": gcfg.grpo.group_size,
             "max_chunks": gcfg.grpo.max_chunks, "n_init": gcfg.starts.get("n_init"),
             "env": {k: gcfg.env.get(k) for k in ("world_model", "critic", "imagination")}}
-    check = to_container(job.cfg.imagination_check)
-    if int(check.get("keyframes_per_task") or 0) > 0:   # keyframes of the store GRPO draws its own from
-        check["store"] = gcfg.starts.get("store")
-        if gcfg.starts.get("success_fraction") is not None:   # drawn as GRPO draws them
-            check["success_fraction"] = gcfg.starts.success_fraction
+    check = check_keyframes(to_container(job.cfg.imagination_check), gcfg.starts)
     c = OmegaConf.create({**job.common, **check, "grpo": to_container(used),
                           "checkpoint": str(bc_ckpt), "suite": job.suite_cfg, "tasks": list(job.tasks)})
     return job.run_entry("imagination_check", c, module="imagination_check")

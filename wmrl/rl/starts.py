@@ -88,7 +88,8 @@ def starts_from_store(store, n: int, rng: np.random.Generator, episodes: Sequenc
         raise ValueError(f"no episode has more than min_steps_left={min_steps_left} steps")
     probs = counts / counts.sum()
     if success_fraction is not None:
-        if not 0.0 <= float(success_fraction) <= 1.0:
+        success_fraction = float(success_fraction)
+        if not 0.0 <= success_fraction <= 1.0:
             raise ValueError(f"success_fraction must be in [0, 1] (or None), got {success_fraction}")
         won = np.asarray(store.successes)[eps]
         by_class = []
@@ -101,7 +102,7 @@ def starts_from_store(store, n: int, rng: np.random.Generator, episodes: Sequenc
         if success_fraction is None:
             k = int(rng.choice(len(eps), p=probs))
         else:
-            k = int(rng.choice(len(eps), p=by_class[0 if rng.random() < float(success_fraction) else 1]))
+            k = int(rng.choice(len(eps), p=by_class[0 if rng.random() < success_fraction else 1]))
         t = int(rng.integers(0, counts[k]))
         i = eps[k]
         if i not in cache:

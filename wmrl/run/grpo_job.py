@@ -103,24 +103,25 @@ def _starts(cfg: DictConfig, ctx: RunContext, suite, tasks: dict, n_init: int):
     keyframes = int(cfg.starts.get("keyframes_per_task") or 0) if cfg.starts.get("store") else 0
     first_steps = cfg.starts.get("first_steps")
     branch = cfg.starts.get("branch_chunks")
-    won = cfg.starts.get("success_fraction")
     if branch is not None and str(cfg.grpo.get("advantage", "group")) != "gae":
         raise ValueError("starts.branch_chunks (short branches from keyframes) needs grpo.advantage=gae: the chunk "
                          "value bootstraps what a branch leaves out, group advantages would score it as a failure")
+
+    def keyframe_starts():
+        return KeyframeStarts(ctx.path(cfg.starts.store), tasks, keyframes, seed=int(cfg.seed), first_steps=first_steps,
+                              branch_chunks=branch, success_fraction=cfg.starts.get("success_fraction"))
+
     if int(cfg.starts.per_task) == 0:   # keyframes of the store only: no sim is needed for the starts (LIBERO)
         if keyframes <= 0:
             raise ValueError("starts.per_task=0 needs keyframe starts: starts.store and starts.keyframes_per_task > 0")
-        return KeyframeStarts(ctx.path(cfg.starts.store), tasks, keyframes, seed=int(cfg.seed),
-                              first_steps=first_steps, branch_chunks=branch, success_fraction=won)
+        return keyframe_starts()
     starts_fn = InitStateStarts(tasks, n_init=n_init, per_task=cfg.starts.per_task, split="train", seed=cfg.seed)
     if bool(cfg.env.get("context_starts", False)):   # e.g. an imagination env: real first frames
         ctx_env = instantiate(cfg.env.context_env) if cfg.env.get("context_env") else \
             make_sim_env(int(cfg.env.get("context_num_envs", 4)), suite=suite)
         starts_fn = ContextStarts(starts_fn, ctx_env)
         if keyframes > 0:
-            starts_fn = MixedStarts(starts_fn, KeyframeStarts(ctx.path(cfg.starts.store), tasks, keyframes,
-                                                              seed=int(cfg.seed), first_steps=first_steps,
-                                                              branch_chunks=branch, success_fraction=won))
+            starts_fn = MixedStarts(starts_fn, keyframe_starts())
     elif keyframes > 0:
         raise ValueError("starts.store (keyframe starts) needs env=imagination (env.context_starts): the sim "
                          "starts from init states")
